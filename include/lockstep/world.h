@@ -1,0 +1,71 @@
+#pragma once
+
+// The world: which processes take part in a job, and the collectives that
+// connect them. `init()` forms it from the environment that a launcher sets
+// (lockstep-run, torchrun, mpirun, srun) or from explicit options.
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <lockstep/error.h>
+#include <lockstep/world_options.h>
+
+namespace c10d {
+class Store;
+class ProcessGroup;
+} // namespace c10d
+
+namespace lockstep {
+
+enum class ReduceOp { Sum, Average, Min, Max, Product };
+
+/// A formed world. Copies share the same connections; the connections close
+/// when the last copy goes.
+class World {
+ public:
+  int rank() const;
+  int size() const;
+  int local_rank() const;
+  int local_size() const;
+  /// Where the configuration came from: "options", "torchrun",
+  /// "openmpi", "slurm" or "single process".
+  const std::string& source() const;
+  std::chrono::milliseconds timeout() const;
+
+  /// The store shared by all ranks, scoped to this job (keys written here do
+  /// not collide with another job's on the same store). Include
+  /// <torch/csrc/distributed/c10d/Store.hpp> to use it.
+  c10::intrusive_ptr<c10d::Store> store() const;
+  /// The process group for tensors on `device`: Gloo for CPU, NCCL for CUDA
+  /// when LibTorch was built with it.
+  c10::intrusive_ptr<c10d::ProcessGroup> process_group(
+      const at::Device& device = at::kCPU) const;
+
+  /// Every collective below waits at most timeout() and raises TimeoutError
+  /// (naming the rank and the operation) past it.
+  void barrier();
+  void broadcast(at::Tensor& tensor, int root = 0);
+  void all_reduce(at::Tensor& tensor, ReduceOp op = ReduceOp::Sum);
+  std::vector<at::Tensor> all_gather(const at::Tensor& tensor);
+  /// Gathers one short string per rank through the store. Meant for error
+  /// messages that show every rank's view, not for data.
+  std::vector<std::string> all_gather_strings(const std::string& value);
+
+  struct Impl;
+  explicit World(std::shared_ptr<Impl> impl);
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
+/// Forms the world: rendezvous through a c10d TCPStore, then one process
+/// group per device type. Blocks until every rank has joined, or raises
+/// RendezvousError naming the ranks that did not within the timeout.
+World init(const WorldOptions& options = {});
+
+} // namespace lockstep

@@ -1,0 +1,35 @@
+#pragma once
+
+#include <chrono>
+#include <optional>
+#include <string>
+
+#include <torch/arg.h>
+
+namespace lockstep {
+
+/// How `lockstep::init()` forms the world. Every field left unset is read
+/// from the environment (see docs/world.md for the order), so a program
+/// normally passes no options at all.
+struct WorldOptions {
+  /// This process's rank, 0 <= rank < size.
+  TORCH_ARG(std::optional<int>, rank);
+  /// The number of processes in the job.
+  TORCH_ARG(std::optional<int>, size);
+  /// This process's rank among the processes on its machine.
+  TORCH_ARG(std::optional<int>, local_rank);
+  /// The number of processes on this machine.
+  TORCH_ARG(std::optional<int>, local_size);
+  /// Address of the machine that hosts the store (rank 0's, or the agent's).
+  TORCH_ARG(std::optional<std::string>, master_addr);
+  /// TCP port of the store.
+  TORCH_ARG(std::optional<int>, master_port);
+  /// Limit on every wait: rendezvous and each collective. Default 5 minutes,
+  /// or LOCKSTEP_TIMEOUT (seconds).
+  TORCH_ARG(std::optional<std::chrono::milliseconds>, timeout);
+  /// Scopes the store keys, so that two jobs sharing one store never mix.
+  /// Default: LOCKSTEP_JOB_ID, else TORCHELASTIC_RUN_ID, else "default".
+  TORCH_ARG(std::optional<std::string>, job_id);
+};
+
+} // namespace lockstep

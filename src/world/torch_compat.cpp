@@ -1,0 +1,101 @@
+#include "world/torch_compat.h"
+
+#include <cstdlib>
+
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#ifdef USE_C10D_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+namespace lockstep::detail {
+namespace {
+
+c10d::ReduceOp to_c10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum:
+    case ReduceOp::Average: // Gloo has no average: the caller divides.
+      return c10d::ReduceOp::SUM;
+    case ReduceOp::Min:
+      return c10d::ReduceOp::MIN;
+    case ReduceOp::Max:
+      return c10d::ReduceOp::MAX;
+    case ReduceOp::Product:
+      return c10d::ReduceOp::PRODUCT;
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown ReduceOp");
+}
+
+} // namespace
+
+c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    const GroupOptions& options) {
+  auto gloo = c10d::ProcessGroupGloo::Options::create(options.timeout);
+  const char* interface = std::getenv("GLOO_SOCKET_IFNAME");
+  if (interface != nullptr && *interface != '\0') {
+    gloo->devices.push_back(
+        c10d::ProcessGroupGloo::createDeviceForInterface(interface));
+  } else {
+    gloo->devices.push_back(
+        c10d::ProcessGroupGloo::createDeviceForHostname(options.local_address));
+  }
+  // One Gloo worker thread per rank: collectives run one at a time in bucket
+  // order anyway, and the cores belong to the model's compute.
+  gloo->threads = 1;
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(
+      store, options.rank, options.size, gloo);
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> make_nccl_group(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    const GroupOptions& options) {
+#ifdef USE_C10D_NCCL
+  auto nccl = c10d::ProcessGroupNCCL::Options::create();
+  nccl->timeout = options.timeout;
+  return c10::make_intrusive<c10d::ProcessGroupNCCL>(
+      store, options.rank, options.size, nccl);
+#else
+  (void)store;
+  (void)options;
+  LOCKSTEP_FAIL(
+      CollectiveError, "this LibTorch was built without NCCL, so CUDA "
+      "tensors cannot be reduced; keep the model on the CPU or use a "
+      "LibTorch built with CUDA.");
+#endif
+}
+
+c10::intrusive_ptr<c10d::Work> start_all_reduce(
+    c10d::ProcessGroup& group, at::Tensor& tensor, ReduceOp op) {
+  std::vector<at::Tensor> tensors{tensor};
+  c10d::AllreduceOptions options;
+  options.reduceOp = to_c10d(op);
+  return group.allreduce(tensors, options);
+}
+
+c10::intrusive_ptr<c10d::Work> start_broadcast(
+    c10d::ProcessGroup& group, at::Tensor& tensor, int root) {
+  std::vector<at::Tensor> tensors{tensor};
+  c10d::BroadcastOptions options;
+  options.rootRank = root;
+  return group.broadcast(tensors, options);
+}
+
+c10::intrusive_ptr<c10d::Work> start_all_gather(
+    c10d::ProcessGroup& group,
+    std::vector<at::Tensor>& outputs,
+    const at::Tensor& input) {
+  std::vector<std::vector<at::Tensor>> output_lists{outputs};
+  std::vector<at::Tensor> inputs{input};
+  auto work = group.allgather(output_lists, inputs);
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> start_barrier(c10d::ProcessGroup& group) {
+  return group.barrier();
+}
+
+void wait_work(c10d::Work& work, std::chrono::milliseconds timeout) {
+  work.wait(timeout);
+}
+
+} // namespace lockstep::detail

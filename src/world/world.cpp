@@ -1,0 +1,195 @@
+#include <lockstep/world.h>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <mutex>
+#include <sstream>
+
+#include "world/rendezvous.h"
+#include "world/resolve.h"
+#include "world/torch_compat.h"
+
+namespace lockstep {
+
+struct World::Impl {
+  detail::WorldConfig config;
+  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<c10d::ProcessGroup> cpu_group;
+  std::mutex cuda_group_mutex;
+  c10::intrusive_ptr<c10d::ProcessGroup> cuda_group;
+  // Numbers the collectives issued through World, for error messages.
+  uint64_t collective_count = 0;
+  uint64_t string_gather_count = 0;
+
+  detail::GroupOptions group_options() const {
+    detail::GroupOptions options;
+    options.rank = config.rank;
+    options.size = config.size;
+    options.timeout = config.timeout;
+    options.local_address = config.size == 1
+        ? "127.0.0.1"
+        : detail::local_address_towards(config.master_addr);
+    return options;
+  }
+};
+
+namespace {
+
+std::string describe(const at::Tensor& tensor) {
+  std::ostringstream out;
+  out << tensor.scalar_type() << " " << tensor.sizes();
+  return out.str();
+}
+
+// Runs one collective to completion and turns the backend's failures into
+// errors that name the rank and the operation.
+void complete(
+    World::Impl& impl,
+    const std::string& operation,
+    const c10::intrusive_ptr<c10d::Work>& work) {
+  std::string what = detail::str(operation, " #", ++impl.collective_count);
+  try {
+    detail::wait_work(*work, impl.config.timeout);
+  } catch (const std::exception& e) {
+    std::string cause = e.what();
+    if (cause.find("imed out") != std::string::npos) {
+      LOCKSTEP_FAIL(
+          TimeoutError, "rank ", impl.config.rank, ": ", what,
+          " did not complete within ",
+          impl.config.timeout.count() / 1000.0,
+          " s: another rank is not taking part (it may have stopped, or be "
+          "running a different collective). Raise the limit with "
+          "LOCKSTEP_TIMEOUT (seconds) if it is only slow.\n  cause: ",
+          cause);
+    }
+    LOCKSTEP_FAIL(
+        CollectiveError, "rank ", impl.config.rank, ": ", what,
+        " failed; another rank may have exited.\n  cause: ", cause);
+  }
+}
+
+} // namespace
+
+World::World(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+int World::rank() const {
+  return impl_->config.rank;
+}
+int World::size() const {
+  return impl_->config.size;
+}
+int World::local_rank() const {
+  return impl_->config.local_rank;
+}
+int World::local_size() const {
+  return impl_->config.local_size;
+}
+const std::string& World::source() const {
+  return impl_->config.source;
+}
+std::chrono::milliseconds World::timeout() const {
+  return impl_->config.timeout;
+}
+
+c10::intrusive_ptr<c10d::Store> World::store() const {
+  return impl_->store;
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> World::process_group(
+    const at::Device& device) const {
+  if (device.is_cpu()) {
+    return impl_->cpu_group;
+  }
+  LOCKSTEP_ENFORCE(
+      device.is_cuda(), CollectiveError, "tensors on ", device,
+      " are not supported; lockstep reduces CPU and CUDA tensors.");
+  std::lock_guard<std::mutex> lock(impl_->cuda_group_mutex);
+  if (!impl_->cuda_group) {
+    auto store = c10::make_intrusive<c10d::PrefixStore>("nccl/", impl_->store);
+    impl_->cuda_group = detail::make_nccl_group(store, impl_->group_options());
+  }
+  return impl_->cuda_group;
+}
+
+void World::barrier() {
+  complete(*impl_, "barrier", detail::start_barrier(*impl_->cpu_group));
+}
+
+void World::broadcast(at::Tensor& tensor, int root) {
+  LOCKSTEP_ENFORCE(
+      root >= 0 && root < size(), CollectiveError, "broadcast root ", root,
+      " is not a rank of this world of size ", size(), ".");
+  complete(
+      *impl_, detail::str("broadcast from rank ", root, " of ", describe(tensor)),
+      detail::start_broadcast(*process_group(tensor.device()), tensor, root));
+}
+
+void World::all_reduce(at::Tensor& tensor, ReduceOp op) {
+  complete(
+      *impl_, detail::str("all_reduce of ", describe(tensor)),
+      detail::start_all_reduce(*process_group(tensor.device()), tensor, op));
+  if (op == ReduceOp::Average) {
+    if (at::isIntegralType(tensor.scalar_type(), /*includeBool=*/true)) {
+      tensor.div_(size(), "floor");
+    } else {
+      tensor.div_(size());
+    }
+  }
+}
+
+std::vector<at::Tensor> World::all_gather(const at::Tensor& tensor) {
+  std::vector<at::Tensor> outputs;
+  for (int rank = 0; rank < size(); ++rank) {
+    outputs.push_back(at::empty_like(tensor));
+  }
+  auto input = tensor.contiguous();
+  complete(
+      *impl_, detail::str("all_gather of ", describe(tensor)),
+      detail::start_all_gather(*process_group(tensor.device()), outputs, input));
+  return outputs;
+}
+
+std::vector<std::string> World::all_gather_strings(const std::string& value) {
+  uint64_t round = ++impl_->string_gather_count;
+  auto key = [](uint64_t r, int rank) {
+    return detail::str("strings/", r, "/", rank);
+  };
+  auto& store = *impl_->store;
+  store.set(key(round, rank()), {value.begin(), value.end()});
+  // Having reached this round, every rank finished reading round - 2: our
+  // key from then is no longer needed.
+  if (round > 2) {
+    store.deleteKey(key(round - 2, rank()));
+  }
+  std::vector<std::string> values;
+  for (int rank = 0; rank < size(); ++rank) {
+    try {
+      auto bytes = store.get(key(round, rank));
+      values.emplace_back(bytes.begin(), bytes.end());
+    } catch (const std::exception& e) {
+      LOCKSTEP_FAIL(
+          TimeoutError, "rank ", this->rank(), ": all_gather_strings #",
+          round, " did not receive rank ", rank, "'s value within ",
+          timeout().count() / 1000.0, " s; that rank is not taking part.\n"
+          "  cause: ", e.what());
+    }
+  }
+  return values;
+}
+
+World init(const WorldOptions& options) {
+  auto impl = std::make_shared<World::Impl>();
+  impl->config = detail::resolve_world(options, detail::process_environment());
+  impl->store = detail::connect_store(impl->config);
+  if (impl->config.size > 1) {
+    detail::join(*impl->store, impl->config);
+  }
+  auto gloo_store = c10::make_intrusive<c10d::PrefixStore>("gloo/", impl->store);
+  impl->cpu_group = detail::make_gloo_group(gloo_store, impl->group_options());
+  return World(std::move(impl));
+}
+
+} // namespace lockstep

@@ -1,0 +1,77 @@
+#pragma once
+
+// Runs a test body as N real processes: the test binary re-executes itself
+// (fork+exec, never a bare fork after LibTorch started its threads) with
+// --gtest_filter set to the current test and the rank in its environment.
+// Every rank's output and failures come back into the parent's result, and a
+// hard timeout kills all ranks so that a hang fails the test instead of CI.
+
+#include <chrono>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace lockstep::testing {
+
+using RankEnvironment = std::map<std::string, std::string>;
+
+struct LaunchOptions {
+  int world_size = 2;
+  /// Hard limit for the whole launch; every rank still running then is
+  /// killed (with its process group) and reported as timed out.
+  std::chrono::milliseconds timeout{60000};
+  /// Adds or overrides variables for one rank. By default each rank gets
+  /// RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1,
+  /// MASTER_PORT (free) and OMP_NUM_THREADS=1; set a value to "" to unset it.
+  std::function<void(int rank, RankEnvironment&)> environment;
+};
+
+struct RankResult {
+  int rank = 0;
+  int exit_code = -1; // when it exited
+  int signal = 0; // when a signal ended it
+  bool timed_out = false;
+  std::string output; // stdout and stderr, interleaved
+
+  bool ok() const {
+    return exit_code == 0 && signal == 0 && !timed_out;
+  }
+  std::string status() const;
+};
+
+struct LaunchResult {
+  std::vector<RankResult> ranks;
+  int master_port = 0;
+  std::chrono::milliseconds elapsed{0};
+
+  bool ok() const;
+  bool timed_out() const;
+  /// The status of every rank, with the output of those that did not
+  /// succeed.
+  std::string report() const;
+};
+
+/// Runs `body(rank)` in `options.world_size` processes and returns how each
+/// ended. A rank re-runs the test from its start up to this call, then runs
+/// the body and exits: the code after the call runs only in the parent, and
+/// what the test computed before the call is computed again in each rank
+/// (pass a value that must be the same, like a path, through `environment`).
+LaunchResult launch_ranks(
+    const LaunchOptions& options,
+    const std::function<void(int rank)>& body);
+
+/// launch_ranks, then a gtest failure carrying report() unless every rank
+/// succeeded.
+void run_ranks(
+    int world_size,
+    const std::function<void(int rank)>& body,
+    std::chrono::milliseconds timeout = std::chrono::milliseconds(60000));
+
+/// A TCP port on 127.0.0.1 that was free a moment ago.
+int free_port();
+
+/// Whether this process is a rank started by launch_ranks.
+bool in_rank_process();
+
+} // namespace lockstep::testing
