@@ -54,7 +54,7 @@ TEST(Resolve, TorchrunVariables) {
   EXPECT_EQ(config.local_size, 2);
   EXPECT_EQ(config.master_addr, "10.0.0.1");
   EXPECT_EQ(config.master_port, 29500);
-  EXPECT_EQ(config.key_prefix, "lockstep/default/0/");
+  EXPECT_EQ(config.key_prefix, "lockstep/default/0");
 }
 
 TEST(Resolve, AgentStoreAndRestartScopeTheKeys) {
@@ -64,7 +64,7 @@ TEST(Resolve, AgentStoreAndRestartScopeTheKeys) {
   env["TORCHELASTIC_RESTART_COUNT"] = "2";
   auto config = resolve(env);
   EXPECT_TRUE(config.agent_store);
-  EXPECT_EQ(config.key_prefix, "lockstep/job7/2/");
+  EXPECT_EQ(config.key_prefix, "lockstep/job7/2");
   env["TORCHELASTIC_USE_AGENT_STORE"] = "False";
   EXPECT_FALSE(resolve(env).agent_store);
 }
@@ -86,7 +86,7 @@ TEST(Resolve, OptionsComeBeforeEnvironment) {
   EXPECT_EQ(config.master_addr, "127.0.0.1");
   EXPECT_EQ(config.master_port, 1234);
   EXPECT_EQ(config.timeout, std::chrono::milliseconds(1500));
-  EXPECT_EQ(config.key_prefix, "lockstep/mine/0/");
+  EXPECT_EQ(config.key_prefix, "lockstep/mine/0");
 }
 
 TEST(Resolve, OpenMpiVariables) {

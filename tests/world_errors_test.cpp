@@ -177,8 +177,8 @@ TEST(WorldErrors, RanksThatDisagreeOnTheWorldSize) {
       [](int rank, RankEnvironment& env) {
         env["WORLD_SIZE"] = rank == 0 ? "2" : "3";
       },
-      {"world size", "Start every rank with the same WORLD_SIZE"},
-      [](int rank) { return rank == 1; });
+      {"was started with world size", "but another rank with world size",
+       "Start every rank with the same WORLD_SIZE"});
 }
 
 TEST(WorldErrors, BadVariablesRaiseBeforeAnySocket) {

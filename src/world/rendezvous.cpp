@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <future>
 #include <thread>
 #include <vector>
 
@@ -14,6 +15,8 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <lockstep/error.h>
+
+#include "world/torch_compat.h"
 
 namespace lockstep::detail {
 namespace {
@@ -56,7 +59,7 @@ c10::intrusive_ptr<c10d::Store> connect_tcp_store(const WorldConfig& config) {
   try {
     return c10::make_intrusive<c10d::TCPStore>(config.master_addr, options);
   } catch (const std::exception& e) {
-    std::string cause = e.what();
+    std::string cause = describe_exception(e);
     if (host_here && cause.find("already in use") != std::string::npos) {
       LOCKSTEP_FAIL(
           RendezvousError, "rank 0 cannot host the store on MASTER_PORT=",
@@ -84,36 +87,78 @@ std::string rank_key(int rank) {
   return "rank/" + std::to_string(rank);
 }
 
-// Every rank writes the size it believes in; the first writer wins and any
-// other rank that disagrees learns whose value differs.
-void agree_on_size(c10d::Store& store, const WorldConfig& config) {
+// Every rank writes the size it believes in; the first writer wins and a
+// rank that disagrees learns whose value differs. Returns the problem, if any.
+std::string disagreement_on_size(c10d::Store& store, const WorldConfig& config) {
   std::string mine = str(config.size, " (rank ", config.rank, ")");
   std::string first = text(store.compareSet("size", {}, bytes(mine)));
-  if (first.empty() || first == mine) {
-    return;
+  if (first.empty() || first == mine || std::stoi(first) == config.size) {
+    return "";
   }
-  int first_size = std::stoi(first);
-  LOCKSTEP_ENFORCE(
-      first_size == config.size, RendezvousError, "rank ", config.rank,
-      " was started with world size ", config.size, " but another rank "
-      "with world size ", first, ". Start every rank with the same "
-      "WORLD_SIZE.");
+  return str("lockstep: rank ", config.rank, " was started with world size ",
+             config.size, " but another rank with world size ", first,
+             ". Start every rank with the same WORLD_SIZE.");
 }
 
-// The first rank to time out publishes its verdict; the others adopt it, so
-// that every rank reports the same missing ranks. The host then lingers until
-// the joined ranks have read it, because its exit closes the store.
+std::string duplicate_rank(c10d::Store& store, const WorldConfig& config) {
+  if (store.add("claims/" + rank_key(config.rank), 1) == 1) {
+    return "";
+  }
+  return str("lockstep: rank ", config.rank,
+             " joined the job twice: two processes were started with RANK=",
+             config.rank, ". Give every process its own rank.");
+}
+
+// The first store operation runs on a thread of its own: a peer that
+// accepts connections but is not a store never answers, and TCPStore's
+// client would wait for that answer forever. On timeout the thread is left
+// behind, blocked, holding its own reference to the store.
+void expect_store_answers(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    const WorldConfig& config) {
+  auto answered = std::make_shared<std::promise<void>>();
+  auto answer = answered->get_future();
+  std::thread([store, answered] {
+    try {
+      store->check({"probe"});
+      answered->set_value();
+    } catch (...) {
+      answered->set_exception(std::current_exception());
+    }
+  }).detach();
+  try {
+    if (answer.wait_for(config.timeout) == std::future_status::ready) {
+      answer.get();
+      return;
+    }
+  } catch (const std::exception& e) {
+    LOCKSTEP_FAIL(
+        RendezvousError, "rank ", config.rank, " reached ",
+        master_endpoint(config), " but it does not answer as a c10d store. "
+        "Is MASTER_PORT the port of rank 0's store (or torchrun's), and not "
+        "of another service?\n  cause: ", describe_exception(e));
+  }
+  LOCKSTEP_FAIL(
+      RendezvousError, "rank ", config.rank, " reached ",
+      master_endpoint(config), " but it does not answer as a c10d store "
+      "within ", seconds(config.timeout), ". Is MASTER_PORT the port of "
+      "rank 0's store (or torchrun's), and not of another service?");
+}
+
+// The first rank to find a problem (a timeout, a disagreement) publishes its
+// verdict; the others adopt it, so that every rank reports the same thing.
+// The host then lingers until the others have read it (2 s at most),
+// because its exit closes the store.
 constexpr const char* kFailureKey = "rendezvous_failed";
 constexpr const char* kFailureSeenKey = "rendezvous_failure_seen";
 
 [[noreturn]] void fail_with_verdict(
     c10d::Store& store,
     const WorldConfig& config,
-    const std::string& verdict,
-    int joined_count) {
+    const std::string& verdict) {
   if (config.rank == 0 && !config.agent_store) {
     auto linger = Clock::now() + std::chrono::seconds(2);
-    while (store.add(kFailureSeenKey, 0) < joined_count - 1 &&
+    while (store.add(kFailureSeenKey, 0) < config.size - 1 &&
            Clock::now() < linger) {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
@@ -123,24 +168,24 @@ constexpr const char* kFailureSeenKey = "rendezvous_failure_seen";
   throw RendezvousError(verdict);
 }
 
+[[noreturn]] void publish_and_fail(
+    c10d::Store& store,
+    const WorldConfig& config,
+    const std::string& verdict) {
+  fail_with_verdict(
+      store, config, text(store.compareSet(kFailureKey, {}, bytes(verdict))));
+}
+
 void wait_for_all(c10d::Store& store, const WorldConfig& config) {
   std::vector<std::string> keys;
   for (int rank = 0; rank < config.size; ++rank) {
     keys.push_back(rank_key(rank));
   }
-  auto count_joined = [&] {
-    int joined = 0;
-    for (const auto& key : keys) {
-      joined += store.check({key}) ? 1 : 0;
-    }
-    return joined;
-  };
   auto deadline = Clock::now() + config.timeout;
   auto pause = std::chrono::milliseconds(5);
   while (!store.check(keys)) {
     if (store.check({kFailureKey})) {
-      fail_with_verdict(store, config, text(store.get(kFailureKey)),
-                        count_joined());
+      fail_with_verdict(store, config, text(store.get(kFailureKey)));
     }
     if (Clock::now() >= deadline) {
       std::vector<int> joined;
@@ -156,9 +201,7 @@ void wait_for_all(c10d::Store& store, const WorldConfig& config) {
           "). Check that every rank was started with the same WORLD_SIZE, "
           "MASTER_ADDR and MASTER_PORT, or raise the limit with "
           "LOCKSTEP_TIMEOUT (seconds).");
-      verdict = text(store.compareSet(kFailureKey, {}, bytes(verdict)));
-      fail_with_verdict(store, config, verdict,
-                        static_cast<int>(joined.size()));
+      publish_and_fail(store, config, verdict);
     }
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::milliseconds(100));
@@ -182,25 +225,26 @@ c10::intrusive_ptr<c10d::Store> connect_store(const WorldConfig& config) {
   return c10::make_intrusive<c10d::PrefixStore>(config.key_prefix, base);
 }
 
-void join(c10d::Store& store, const WorldConfig& config) {
+void join(const c10::intrusive_ptr<c10d::Store>& store,
+          const WorldConfig& config) {
+  expect_store_answers(store, config);
   try {
-    agree_on_size(store, config);
-    int64_t claims = store.add("claims/" + rank_key(config.rank), 1);
-    LOCKSTEP_ENFORCE(
-        claims == 1, RendezvousError, "rank ", config.rank,
-        " joined the job twice: two processes were started with RANK=",
-        config.rank, ". Give every process its own rank.");
-    store.set(rank_key(config.rank),
-              bytes(str(hostname(), " pid ", ::getpid())));
-    wait_for_all(store, config);
+    for (const auto& problem :
+         {disagreement_on_size(*store, config), duplicate_rank(*store, config)}) {
+      if (!problem.empty()) {
+        publish_and_fail(*store, config, problem);
+      }
+    }
+    store->set(rank_key(config.rank),
+               bytes(str(hostname(), " pid ", ::getpid())));
+    wait_for_all(*store, config);
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
     LOCKSTEP_FAIL(
-        RendezvousError, "rank ", config.rank, " reached ",
-        master_endpoint(config), " but it does not answer as a c10d store. "
-        "Is MASTER_PORT the port of rank 0's store (or torchrun's), and not "
-        "of another service?\n  cause: ", e.what());
+        RendezvousError, "rank ", config.rank, " lost the store at ",
+        master_endpoint(config), " during rendezvous (its host may have "
+        "exited).\n  cause: ", describe_exception(e));
   }
 }
 

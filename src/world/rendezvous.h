@@ -23,7 +23,8 @@ c10::intrusive_ptr<c10d::Store> connect_store(const WorldConfig& config);
 /// Announces this rank and blocks until every rank has announced itself with
 /// the same world size. Raises RendezvousError naming the missing ranks when
 /// the timeout passes first.
-void join(c10d::Store& store, const WorldConfig& config);
+void join(const c10::intrusive_ptr<c10d::Store>& store,
+          const WorldConfig& config);
 
 /// The address of this machine on the route towards `host`: what peers can
 /// reach us at when `host` is the master. Loopback when `host` is.

@@ -133,7 +133,8 @@ std::string resolve_job_prefix(
   } else if (auto count = env("TORCHELASTIC_RESTART_COUNT")) {
     attempt = *count;
   }
-  return "lockstep/" + job + "/" + attempt + "/";
+  // PrefixStore adds the "/" between this prefix and each key.
+  return "lockstep/" + job + "/" + attempt;
 }
 
 } // namespace

@@ -23,7 +23,7 @@ struct WorldConfig {
   std::chrono::milliseconds timeout{0};
   /// torchrun's agent hosts the store; every rank connects as a client.
   bool agent_store = false;
-  /// Prefix of every key this job writes to the store.
+  /// Prefix of every key this job writes to the store (PrefixStore adds "/").
   std::string key_prefix;
   std::string source;
 };

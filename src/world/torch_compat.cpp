@@ -94,6 +94,20 @@ c10::intrusive_ptr<c10d::Work> start_barrier(c10d::ProcessGroup& group) {
   return group.barrier();
 }
 
+at::ScalarType reduction_type(const at::Tensor& tensor) {
+  if (tensor.device().is_cpu() && tensor.scalar_type() == at::kBFloat16) {
+    return at::kFloat;
+  }
+  return tensor.scalar_type();
+}
+
+std::string describe_exception(const std::exception& error) {
+  if (const auto* torch_error = dynamic_cast<const c10::Error*>(&error)) {
+    return torch_error->what_without_backtrace();
+  }
+  return error.what();
+}
+
 void wait_work(c10d::Work& work, std::chrono::milliseconds timeout) {
   work.wait(timeout);
 }

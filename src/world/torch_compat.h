@@ -47,6 +47,15 @@ c10::intrusive_ptr<c10d::Work> start_all_gather(
     const at::Tensor& input);
 c10::intrusive_ptr<c10d::Work> start_barrier(c10d::ProcessGroup& group);
 
+/// The type in which `tensor` travels through its backend: Gloo in LibTorch
+/// 1.13 cannot reduce bfloat16, so those go as float32 (exact for the
+/// values, and a more accurate sum).
+at::ScalarType reduction_type(const at::Tensor& tensor);
+
+/// The message of an exception without LibTorch's C++ backtrace, which says
+/// nothing to a user and buries the cause.
+std::string describe_exception(const std::exception& error);
+
 /// Waits for `work` at most `timeout`; rethrows the backend's failure.
 void wait_work(c10d::Work& work, std::chrono::milliseconds timeout);
 

@@ -54,7 +54,7 @@ void complete(
   try {
     detail::wait_work(*work, impl.config.timeout);
   } catch (const std::exception& e) {
-    std::string cause = e.what();
+    std::string cause = detail::describe_exception(e);
     if (cause.find("imed out") != std::string::npos) {
       LOCKSTEP_FAIL(
           TimeoutError, "rank ", impl.config.rank, ": ", what,
@@ -67,7 +67,8 @@ void complete(
     }
     LOCKSTEP_FAIL(
         CollectiveError, "rank ", impl.config.rank, ": ", what,
-        " failed; another rank may have exited.\n  cause: ", cause);
+        " failed (a closed connection means that another rank exited).\n"
+        "  cause: ", cause);
   }
 }
 
@@ -128,9 +129,16 @@ void World::broadcast(at::Tensor& tensor, int root) {
 }
 
 void World::all_reduce(at::Tensor& tensor, ReduceOp op) {
+  auto travelling_type = detail::reduction_type(tensor);
+  auto travelling = travelling_type == tensor.scalar_type()
+      ? tensor
+      : tensor.to(travelling_type);
   complete(
       *impl_, detail::str("all_reduce of ", describe(tensor)),
-      detail::start_all_reduce(*process_group(tensor.device()), tensor, op));
+      detail::start_all_reduce(*process_group(tensor.device()), travelling, op));
+  if (!travelling.is_same(tensor)) {
+    tensor.copy_(travelling);
+  }
   if (op == ReduceOp::Average) {
     if (at::isIntegralType(tensor.scalar_type(), /*includeBool=*/true)) {
       tensor.div_(size(), "floor");
@@ -174,7 +182,7 @@ std::vector<std::string> World::all_gather_strings(const std::string& value) {
           TimeoutError, "rank ", this->rank(), ": all_gather_strings #",
           round, " did not receive rank ", rank, "'s value within ",
           timeout().count() / 1000.0, " s; that rank is not taking part.\n"
-          "  cause: ", e.what());
+          "  cause: ", detail::describe_exception(e));
     }
   }
   return values;
@@ -185,7 +193,7 @@ World init(const WorldOptions& options) {
   impl->config = detail::resolve_world(options, detail::process_environment());
   impl->store = detail::connect_store(impl->config);
   if (impl->config.size > 1) {
-    detail::join(*impl->store, impl->config);
+    detail::join(impl->store, impl->config);
   }
   auto gloo_store = c10::make_intrusive<c10d::PrefixStore>("gloo/", impl->store);
   impl->cpu_group = detail::make_gloo_group(gloo_store, impl->group_options());
