@@ -47,7 +47,7 @@ TEST(Resolve, NothingSetIsASingleProcess) {
 
 TEST(Resolve, TorchrunVariables) {
   auto config = resolve(kTorchrun);
-  EXPECT_EQ(config.source, "torchrun");
+  EXPECT_EQ(config.source, "RANK/WORLD_SIZE");
   EXPECT_EQ(config.rank, 1);
   EXPECT_EQ(config.size, 4);
   EXPECT_EQ(config.local_rank, 1);
@@ -96,7 +96,7 @@ TEST(Resolve, OpenMpiVariables) {
                          {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
                          {"MASTER_ADDR", "node0"},
                          {"MASTER_PORT", "4000"}});
-  EXPECT_EQ(config.source, "openmpi");
+  EXPECT_EQ(config.source, "OpenMPI");
   EXPECT_EQ(config.rank, 3);
   EXPECT_EQ(config.size, 4);
   EXPECT_EQ(config.local_rank, 1);
@@ -110,7 +110,7 @@ TEST(Resolve, SlurmVariables) {
                          {"SLURM_NTASKS_PER_NODE", "4(x2)"},
                          {"MASTER_ADDR", "node0"},
                          {"MASTER_PORT", "4000"}});
-  EXPECT_EQ(config.source, "slurm");
+  EXPECT_EQ(config.source, "SLURM");
   EXPECT_EQ(config.rank, 5);
   EXPECT_EQ(config.size, 8);
   EXPECT_EQ(config.local_rank, 1);
@@ -122,7 +122,7 @@ TEST(Resolve, TorchrunInsideSlurmUsesTorchrunsWorld) {
   env["SLURM_PROCID"] = "0";
   env["SLURM_NTASKS"] = "1";
   auto config = resolve(env);
-  EXPECT_EQ(config.source, "torchrun");
+  EXPECT_EQ(config.source, "RANK/WORLD_SIZE");
   EXPECT_EQ(config.size, 4);
 }
 

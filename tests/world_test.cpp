@@ -33,7 +33,7 @@ TEST_P(Collectives, MatchTheirDefinition) {
     ASSERT_EQ(world.size(), world_size);
     EXPECT_EQ(world.local_rank(), rank);
     EXPECT_EQ(world.local_size(), world_size);
-    EXPECT_EQ(world.source(), "torchrun");
+    EXPECT_EQ(world.source(), "RANK/WORLD_SIZE");
     double n = world_size;
 
     auto sum = at::full({numel}, rank + 1.0, at::kFloat);
@@ -174,7 +174,7 @@ void expect_world_from(
 }
 
 TEST(World, FormsFromOpenMpiVariables) {
-  expect_world_from("openmpi", [](int rank, RankEnvironment& env) {
+  expect_world_from("OpenMPI", [](int rank, RankEnvironment& env) {
     env["OMPI_COMM_WORLD_RANK"] = std::to_string(rank);
     env["OMPI_COMM_WORLD_SIZE"] = "2";
     env["OMPI_COMM_WORLD_LOCAL_RANK"] = std::to_string(rank);
@@ -183,7 +183,7 @@ TEST(World, FormsFromOpenMpiVariables) {
 }
 
 TEST(World, FormsFromSlurmVariables) {
-  expect_world_from("slurm", [](int rank, RankEnvironment& env) {
+  expect_world_from("SLURM", [](int rank, RankEnvironment& env) {
     env["SLURM_PROCID"] = std::to_string(rank);
     env["SLURM_NTASKS"] = "2";
     env["SLURM_LOCALID"] = std::to_string(rank);

@@ -32,8 +32,8 @@ class World {
   int size() const;
   int local_rank() const;
   int local_size() const;
-  /// Where the configuration came from: "options", "torchrun",
-  /// "openmpi", "slurm" or "single process".
+  /// Where the configuration came from: "options", "RANK/WORLD_SIZE" (set
+  /// by lockstep-run and torchrun), "OpenMPI", "SLURM" or "single process".
   const std::string& source() const;
   std::chrono::milliseconds timeout() const;
 

@@ -22,10 +22,10 @@ struct LauncherVariables {
 };
 
 constexpr LauncherVariables kLaunchers[] = {
-    {"torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
-    {"openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+    {"RANK/WORLD_SIZE", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
+    {"OpenMPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
      "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"},
-    {"slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
+    {"SLURM", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
      "SLURM_NTASKS_PER_NODE"},
 };
 
@@ -203,7 +203,7 @@ WorldConfig resolve_world(const WorldOptions& options, const EnvLookup& env) {
       "; ranks go from 0 to ", config.size - 1, ".");
 
   auto local_size_setting = env_setting(&LauncherVariables::local_size);
-  if (launcher != nullptr && std::string(launcher->source) == "slurm") {
+  if (launcher != nullptr && std::string(launcher->source) == "SLURM") {
     local_size_setting = leading_count(local_size_setting);
   }
   // Without local information, assume one machine: every rank is local.
