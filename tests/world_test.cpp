@@ -79,13 +79,23 @@ INSTANTIATE_TEST_SUITE_P(
           std::to_string(std::get<1>(info.param));
     });
 
-TEST(World, ReducesEveryFloatingAndIntegerType) {
+TEST(World, CollectivesCarryEveryDtype) {
   run_ranks(2, [](int rank) {
     World world = init();
     for (auto type : {at::kFloat, at::kDouble, at::kBFloat16, at::kInt, at::kLong}) {
-      auto tensor = at::full({7}, rank + 1, at::TensorOptions().dtype(type));
+      auto options = at::TensorOptions().dtype(type);
+      auto tensor = at::full({7}, rank + 1, options);
       world.all_reduce(tensor);
       EXPECT_TRUE(tensor.eq(3).all().item<bool>()) << type;
+      EXPECT_EQ(tensor.scalar_type(), type);
+
+      auto broadcast = at::full({5}, rank == 1 ? 2.5 : 0.0, options);
+      world.broadcast(broadcast, 1);
+      EXPECT_TRUE(broadcast.equal(at::full({5}, type == at::kInt || type == at::kLong ? 2 : 2.5, options))) << type;
+
+      auto gathered = world.all_gather(at::full({3}, rank + 1, options));
+      EXPECT_TRUE(gathered[0].eq(1).all().item<bool>()) << type;
+      EXPECT_TRUE(gathered[1].eq(2).all().item<bool>()) << type;
     }
   });
 }

@@ -36,6 +36,14 @@ class TimeoutError : public Error {
   using Error::Error;
 };
 
+/// The model or its use breaks a rule of DistributedDataParallel: models
+/// that differ across ranks, a static-graph violation, a bypassed wrapper
+/// under Bypass::Error.
+class UsageError : public Error {
+ public:
+  using Error::Error;
+};
+
 /// A collective operation failed (a peer closed its connection, a bad
 /// argument rejected by the backend).
 class CollectiveError : public Error {

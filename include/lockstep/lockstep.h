@@ -2,6 +2,9 @@
 
 // Umbrella header: everything a training program needs from lockstep.
 
+#include <lockstep/ddp.h>
+#include <lockstep/ddp_options.h>
+#include <lockstep/ddp_stats.h>
 #include <lockstep/error.h>
 #include <lockstep/world.h>
 #include <lockstep/world_options.h>

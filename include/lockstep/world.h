@@ -24,6 +24,21 @@ namespace lockstep {
 
 enum class ReduceOp { Sum, Average, Min, Max, Product };
 
+/// A collective in flight, started by World::all_reduce_async.
+class PendingCollective {
+ public:
+  /// Blocks until the collective completes, at most the world's timeout;
+  /// raises TimeoutError or CollectiveError naming the rank and the
+  /// operation. Waiting again is a no-op.
+  void wait();
+
+  struct State;
+  explicit PendingCollective(std::shared_ptr<State> state);
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
 /// A formed world. Copies share the same connections; the connections close
 /// when the last copy goes.
 class World {
@@ -51,6 +66,10 @@ class World {
   void barrier();
   void broadcast(at::Tensor& tensor, int root = 0);
   void all_reduce(at::Tensor& tensor, ReduceOp op = ReduceOp::Sum);
+  /// Starts an all-reduce that runs while the caller goes on. `description`
+  /// names the operation in errors (for example "bucket 2 (fc.weight)").
+  PendingCollective all_reduce_async(
+      at::Tensor tensor, ReduceOp op, std::string description);
   std::vector<at::Tensor> all_gather(const at::Tensor& tensor);
   /// Gathers one short string per rank through the store. Meant for error
   /// messages that show every rank's view, not for data.

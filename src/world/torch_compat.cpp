@@ -65,7 +65,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_nccl_group(
 }
 
 c10::intrusive_ptr<c10d::Work> start_all_reduce(
-    c10d::ProcessGroup& group, at::Tensor& tensor, ReduceOp op) {
+    c10d::ProcessGroup& group, const at::Tensor& tensor, ReduceOp op) {
   std::vector<at::Tensor> tensors{tensor};
   c10d::AllreduceOptions options;
   options.reduceOp = to_c10d(op);
@@ -73,7 +73,7 @@ c10::intrusive_ptr<c10d::Work> start_all_reduce(
 }
 
 c10::intrusive_ptr<c10d::Work> start_broadcast(
-    c10d::ProcessGroup& group, at::Tensor& tensor, int root) {
+    c10d::ProcessGroup& group, const at::Tensor& tensor, int root) {
   std::vector<at::Tensor> tensors{tensor};
   c10d::BroadcastOptions options;
   options.rootRank = root;
@@ -99,6 +99,13 @@ at::ScalarType reduction_type(const at::Tensor& tensor) {
     return at::kFloat;
   }
   return tensor.scalar_type();
+}
+
+at::Tensor bitwise_view(const at::Tensor& tensor) {
+  if (tensor.device().is_cpu() && tensor.scalar_type() == at::kBFloat16) {
+    return tensor.view(at::kHalf); // same width; Gloo moves half's bytes as they are
+  }
+  return tensor;
 }
 
 std::string describe_exception(const std::exception& error) {

@@ -38,9 +38,9 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_nccl_group(
     const GroupOptions& options);
 
 c10::intrusive_ptr<c10d::Work> start_all_reduce(
-    c10d::ProcessGroup& group, at::Tensor& tensor, ReduceOp op);
+    c10d::ProcessGroup& group, const at::Tensor& tensor, ReduceOp op);
 c10::intrusive_ptr<c10d::Work> start_broadcast(
-    c10d::ProcessGroup& group, at::Tensor& tensor, int root);
+    c10d::ProcessGroup& group, const at::Tensor& tensor, int root);
 c10::intrusive_ptr<c10d::Work> start_all_gather(
     c10d::ProcessGroup& group,
     std::vector<at::Tensor>& outputs,
@@ -51,6 +51,11 @@ c10::intrusive_ptr<c10d::Work> start_barrier(c10d::ProcessGroup& group);
 /// 1.13 cannot reduce bfloat16, so those go as float32 (exact for the
 /// values, and a more accurate sum).
 at::ScalarType reduction_type(const at::Tensor& tensor);
+
+/// `tensor` as the backend can move it without arithmetic (broadcast,
+/// all_gather): bfloat16 travels as its bits, viewed as float16 (Gloo has
+/// no int16 either).
+at::Tensor bitwise_view(const at::Tensor& tensor);
 
 /// The message of an exception without LibTorch's C++ backtrace, which says
 /// nothing to a user and buries the cause.

@@ -5,6 +5,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <atomic>
 #include <mutex>
 #include <sstream>
 
@@ -21,7 +22,7 @@ struct World::Impl {
   std::mutex cuda_group_mutex;
   c10::intrusive_ptr<c10d::ProcessGroup> cuda_group;
   // Numbers the collectives issued through World, for error messages.
-  uint64_t collective_count = 0;
+  std::atomic<uint64_t> collective_count{0};
   uint64_t string_gather_count = 0;
 
   detail::GroupOptions group_options() const {
@@ -44,35 +45,74 @@ std::string describe(const at::Tensor& tensor) {
   return out.str();
 }
 
-// Runs one collective to completion and turns the backend's failures into
-// errors that name the rank and the operation.
+// Waits for one collective and turns the backend's failures into errors
+// that name the rank and the operation.
 void complete(
-    World::Impl& impl,
-    const std::string& operation,
-    const c10::intrusive_ptr<c10d::Work>& work) {
-  std::string what = detail::str(operation, " #", ++impl.collective_count);
+    const detail::WorldConfig& config,
+    const std::string& what,
+    c10d::Work& work) {
   try {
-    detail::wait_work(*work, impl.config.timeout);
+    detail::wait_work(work, config.timeout);
   } catch (const std::exception& e) {
     std::string cause = detail::describe_exception(e);
     if (cause.find("imed out") != std::string::npos) {
       LOCKSTEP_FAIL(
-          TimeoutError, "rank ", impl.config.rank, ": ", what,
-          " did not complete within ",
-          impl.config.timeout.count() / 1000.0,
+          TimeoutError, "rank ", config.rank, ": ", what,
+          " did not complete within ", config.timeout.count() / 1000.0,
           " s: another rank is not taking part (it may have stopped, or be "
           "running a different collective). Raise the limit with "
           "LOCKSTEP_TIMEOUT (seconds) if it is only slow.\n  cause: ",
           cause);
     }
     LOCKSTEP_FAIL(
-        CollectiveError, "rank ", impl.config.rank, ": ", what,
+        CollectiveError, "rank ", config.rank, ": ", what,
         " failed (a closed connection means that another rank exited).\n"
         "  cause: ", cause);
   }
 }
 
+void complete(
+    World::Impl& impl,
+    const std::string& operation,
+    const c10::intrusive_ptr<c10d::Work>& work) {
+  complete(impl.config,
+           detail::str(operation, " #", ++impl.collective_count), *work);
+}
+
 } // namespace
+
+struct PendingCollective::State {
+  std::shared_ptr<World::Impl> world;
+  std::string what;
+  c10::intrusive_ptr<c10d::Work> work;
+  at::Tensor tensor;
+  at::Tensor travelling; // `tensor`, or its float32 copy for bfloat16
+  ReduceOp op = ReduceOp::Sum;
+  bool done = false;
+};
+
+PendingCollective::PendingCollective(std::shared_ptr<State> state)
+    : state_(std::move(state)) {}
+
+void PendingCollective::wait() {
+  auto& state = *state_;
+  if (state.done) {
+    return;
+  }
+  state.done = true;
+  complete(state.world->config, state.what, *state.work);
+  if (!state.travelling.is_same(state.tensor)) {
+    state.tensor.copy_(state.travelling);
+  }
+  if (state.op == ReduceOp::Average) {
+    int size = state.world->config.size;
+    if (at::isIntegralType(state.tensor.scalar_type(), /*includeBool=*/true)) {
+      state.tensor.div_(size, "floor");
+    } else {
+      state.tensor.div_(size);
+    }
+  }
+}
 
 World::World(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
@@ -125,38 +165,42 @@ void World::broadcast(at::Tensor& tensor, int root) {
       " is not a rank of this world of size ", size(), ".");
   complete(
       *impl_, detail::str("broadcast from rank ", root, " of ", describe(tensor)),
-      detail::start_broadcast(*process_group(tensor.device()), tensor, root));
+      detail::start_broadcast(*process_group(tensor.device()),
+                              detail::bitwise_view(tensor), root));
 }
 
 void World::all_reduce(at::Tensor& tensor, ReduceOp op) {
+  all_reduce_async(tensor, op, detail::str("all_reduce of ", describe(tensor)))
+      .wait();
+}
+
+PendingCollective World::all_reduce_async(
+    at::Tensor tensor, ReduceOp op, std::string description) {
+  auto state = std::make_shared<PendingCollective::State>();
+  state->world = impl_;
+  state->what = detail::str(description, " #", ++impl_->collective_count);
+  state->tensor = tensor;
+  state->op = op;
   auto travelling_type = detail::reduction_type(tensor);
-  auto travelling = travelling_type == tensor.scalar_type()
+  state->travelling = travelling_type == tensor.scalar_type()
       ? tensor
       : tensor.to(travelling_type);
-  complete(
-      *impl_, detail::str("all_reduce of ", describe(tensor)),
-      detail::start_all_reduce(*process_group(tensor.device()), travelling, op));
-  if (!travelling.is_same(tensor)) {
-    tensor.copy_(travelling);
-  }
-  if (op == ReduceOp::Average) {
-    if (at::isIntegralType(tensor.scalar_type(), /*includeBool=*/true)) {
-      tensor.div_(size(), "floor");
-    } else {
-      tensor.div_(size());
-    }
-  }
+  state->work = detail::start_all_reduce(
+      *process_group(tensor.device()), state->travelling, op);
+  return PendingCollective(std::move(state));
 }
 
 std::vector<at::Tensor> World::all_gather(const at::Tensor& tensor) {
   std::vector<at::Tensor> outputs;
+  std::vector<at::Tensor> travelling;
   for (int rank = 0; rank < size(); ++rank) {
-    outputs.push_back(at::empty_like(tensor));
+    outputs.push_back(at::empty_like(tensor, at::MemoryFormat::Contiguous));
+    travelling.push_back(detail::bitwise_view(outputs.back()));
   }
-  auto input = tensor.contiguous();
+  auto input = detail::bitwise_view(tensor.contiguous());
   complete(
       *impl_, detail::str("all_gather of ", describe(tensor)),
-      detail::start_all_gather(*process_group(tensor.device()), outputs, input));
+      detail::start_all_gather(*process_group(tensor.device()), travelling, input));
   return outputs;
 }
 

@@ -1,0 +1,166 @@
+#pragma once
+
+// DistributedDataParallel for LibTorch: wraps a module so that N processes
+// keep N identical replicas, averaging gradients across ranks during
+// backward, bucketed and overlapped with it.
+
+#include <memory>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/any.h>
+#include <torch/nn/pimpl.h>
+
+#include <lockstep/ddp_options.h>
+#include <lockstep/ddp_stats.h>
+#include <lockstep/detail/reducer.h>
+#include <lockstep/world.h>
+
+namespace lockstep {
+namespace detail {
+
+template <typename T>
+struct is_shared_module_ptr : std::false_type {};
+template <typename T>
+struct is_shared_module_ptr<std::shared_ptr<T>>
+    : std::is_base_of<torch::nn::Module, T> {};
+
+template <typename ModuleType>
+torch::nn::Module& module_of(ModuleType& module) {
+  if constexpr (std::is_same_v<ModuleType, torch::nn::AnyModule>) {
+    return *module.ptr();
+  } else {
+    static_assert(
+        torch::detail::is_module_holder<ModuleType>::value ||
+            is_shared_module_ptr<ModuleType>::value,
+        "DistributedDataParallel wraps a torch::nn::ModuleHolder (as made "
+        "by TORCH_MODULE), a std::shared_ptr to a torch::nn::Module, or a "
+        "torch::nn::AnyModule");
+    return *module;
+  }
+}
+
+template <typename ModuleType, typename... Args>
+auto call_forward(ModuleType& module, Args&&... args) {
+  if constexpr (std::is_same_v<ModuleType, torch::nn::AnyModule>) {
+    return module.forward(std::forward<Args>(args)...);
+  } else {
+    return module->forward(std::forward<Args>(args)...);
+  }
+}
+
+// The tensors in a forward's output, for the graph walk of
+// find_unused_parameters. An output of another type yields none, and the
+// walk is then skipped: unused parameters are still found at the end of
+// backward.
+inline void collect_tensors(const at::Tensor& tensor, std::vector<at::Tensor>& out) {
+  out.push_back(tensor);
+}
+inline void collect_tensors(const std::vector<at::Tensor>& tensors, std::vector<at::Tensor>& out) {
+  out.insert(out.end(), tensors.begin(), tensors.end());
+}
+template <typename... Ts>
+void collect_tensors(const std::tuple<Ts...>& tuple, std::vector<at::Tensor>& out) {
+  std::apply([&](const auto&... item) { (collect_tensors(item, out), ...); }, tuple);
+}
+template <typename A, typename B>
+void collect_tensors(const std::pair<A, B>& pair, std::vector<at::Tensor>& out) {
+  collect_tensors(pair.first, out);
+  collect_tensors(pair.second, out);
+}
+template <typename T>
+void collect_tensors(const T&, std::vector<at::Tensor>& out) {
+  out.push_back(at::Tensor()); // marks the output as not walkable
+}
+
+} // namespace detail
+
+/// Keeps gradients local while alive: backward passes accumulate, and the
+/// next backward outside the guard averages the accumulated sum.
+class NoSyncGuard {
+ public:
+  explicit NoSyncGuard(std::shared_ptr<detail::Reducer> reducer)
+      : reducer_(std::move(reducer)), previous_(reducer_->sync_enabled()) {
+    reducer_->set_sync_enabled(false);
+  }
+  NoSyncGuard(NoSyncGuard&& other) noexcept
+      : reducer_(std::move(other.reducer_)), previous_(other.previous_) {}
+  NoSyncGuard(const NoSyncGuard&) = delete;
+  NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+  NoSyncGuard& operator=(NoSyncGuard&&) = delete;
+  ~NoSyncGuard() {
+    if (reducer_) {
+      reducer_->set_sync_enabled(previous_);
+    }
+  }
+
+ private:
+  std::shared_ptr<detail::Reducer> reducer_;
+  bool previous_;
+};
+
+/// Wraps `module` so that its replicas on all ranks of `world` stay
+/// identical. Construction is collective: every rank must construct it, with
+/// the same model. See docs/ddp.md.
+///
+///   auto ddp = lockstep::DDP<Net>(Net(), world);
+///   torch::optim::SGD optimizer(ddp.module()->parameters(), 0.1);
+///   auto loss = torch::nll_loss(ddp(x), y);
+///   loss.backward();   // gradients are averaged across ranks here
+///   optimizer.step();
+template <typename ModuleType>
+class DistributedDataParallel {
+ public:
+  DistributedDataParallel(ModuleType module, World world, DdpOptions options = {})
+      : module_(std::move(module)),
+        reducer_(std::make_shared<detail::Reducer>(
+            detail::module_of(module_), std::move(world), options)) {}
+
+  /// Runs the module's forward, with what must happen before it (buffer
+  /// broadcast when needed).
+  template <typename... Args>
+  auto forward(Args&&... args) {
+    reducer_->before_forward();
+    auto output = detail::call_forward(module_, std::forward<Args>(args)...);
+    std::vector<at::Tensor> tensors;
+    detail::collect_tensors(output, tensors);
+    reducer_->after_forward(tensors);
+    return output;
+  }
+  template <typename... Args>
+  auto operator()(Args&&... args) {
+    return forward(std::forward<Args>(args)...);
+  }
+  /// For the `ddp->forward(x)` spelling of torch::nn modules.
+  DistributedDataParallel* operator->() {
+    return this;
+  }
+
+  ModuleType& module() {
+    return module_;
+  }
+  const ModuleType& module() const {
+    return module_;
+  }
+
+  /// `auto guard = ddp.no_sync();` keeps gradients local while it lives.
+  [[nodiscard]] NoSyncGuard no_sync() {
+    return NoSyncGuard(reducer_);
+  }
+
+  DdpStats stats() const {
+    return reducer_->stats();
+  }
+
+ private:
+  ModuleType module_;
+  std::shared_ptr<detail::Reducer> reducer_;
+};
+
+template <typename ModuleType>
+using DDP = DistributedDataParallel<ModuleType>;
+
+} // namespace lockstep

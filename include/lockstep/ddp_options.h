@@ -1,0 +1,57 @@
+#pragma once
+
+#include <torch/arg.h>
+
+namespace lockstep {
+
+/// When the wrapper broadcasts rank 0's buffers (BatchNorm running stats,
+/// for example) before a forward.
+enum class BufferSync {
+  /// Only when some rank's buffers changed since the last broadcast, as
+  /// learned at the last synchronised backward: a model whose buffers never
+  /// change pays for no broadcast at all.
+  WhenChanged,
+  /// Before every forward, like PyTorch's broadcast_buffers=True.
+  Always,
+  /// Never after construction, like PyTorch's broadcast_buffers=False.
+  Never,
+};
+
+/// What happens when a backward reaches the wrapped module's parameters
+/// without a forward through the wrapper (the loss was computed on
+/// ddp.module(), which in PyTorch silently skips the gradient averaging).
+enum class Bypass {
+  /// Average the gradients anyway, and warn once.
+  SyncAndWarn,
+  /// Raise lockstep::UsageError from backward().
+  Error,
+  /// Leave such gradients local, without a word.
+  Ignore,
+};
+
+/// How DistributedDataParallel synchronises a module. Every field has the
+/// default that suits most models; docs/ddp.md compares each with PyTorch.
+struct DdpOptions {
+  /// Bucket size in MiB: gradients travel in buckets of about this size,
+  /// each all-reduced as soon as all its gradients are ready.
+  TORCH_ARG(double, bucket_cap_mb) = 25.0;
+  /// Size of the first bucket in MiB: small, so that communication starts
+  /// early in the backward pass.
+  TORCH_ARG(double, first_bucket_cap_mb) = 1.0;
+  /// Make each parameter's .grad a view into its bucket, which saves a copy
+  /// each way and the memory of one gradient copy.
+  TORCH_ARG(bool, gradient_as_bucket_view) = true;
+  /// Walk the autograd graph from the forward's outputs to find parameters
+  /// that this forward did not use, so that their buckets need not wait for
+  /// the end of backward. Never needed for correctness.
+  TORCH_ARG(bool, find_unused_parameters) = false;
+  /// Promise that every iteration uses the same parameters in the same
+  /// order; a parameter that breaks it is an error naming it.
+  TORCH_ARG(bool, static_graph) = false;
+  /// When rank 0's buffers are broadcast before forward.
+  TORCH_ARG(BufferSync, broadcast_buffers) = BufferSync::WhenChanged;
+  /// What a backward that bypassed the wrapper does.
+  TORCH_ARG(Bypass, bypass) = Bypass::SyncAndWarn;
+};
+
+} // namespace lockstep

@@ -1,0 +1,45 @@
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace lockstep {
+
+/// Figures of one iteration, or their sums over all iterations.
+struct IterationStats {
+  /// Time inside forward through the wrapper, buffer broadcast included.
+  double forward_ms = 0;
+  /// From the end of forward (or the first gradient, for a backward that
+  /// bypassed the wrapper) to the end of backward.
+  double backward_ms = 0;
+  /// Time the end of backward spent waiting for buckets still in flight.
+  double comm_wait_ms = 0;
+  /// Bytes handed to all-reduce (gradients and per-parameter flags).
+  int64_t bytes_reduced = 0;
+  /// Buffer broadcasts before forward (each covers all buffers).
+  int64_t buffer_broadcasts = 0;
+};
+
+struct DdpStats {
+  /// The last iteration, and the sum over all iterations.
+  IterationStats last;
+  IterationStats total;
+  /// Synchronised backward passes so far.
+  int64_t iterations = 0;
+  /// The current bucket layout: bytes and parameter names of each bucket,
+  /// in launch order.
+  std::vector<int64_t> bucket_bytes;
+  std::vector<std::vector<std::string>> bucket_parameters;
+  /// Whether the buckets were rebuilt in the order gradients became ready.
+  bool buckets_rebuilt = false;
+  /// Last synchronised iteration: when each bucket was launched, in ms since
+  /// its first gradient, and when backward reached its end. A launch before
+  /// that end is communication overlapped with backward.
+  std::vector<double> bucket_launch_ms;
+  double backward_end_ms = 0;
+  /// Parameters that got no gradient on this rank in the last iteration.
+  std::vector<std::string> unused_parameters;
+};
+
+} // namespace lockstep

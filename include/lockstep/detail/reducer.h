@@ -1,0 +1,49 @@
+#pragma once
+
+// The non-template heart of DistributedDataParallel: owns the buckets and
+// the autograd hooks of one module. Users go through ddp.h.
+
+#include <chrono>
+#include <memory>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include <lockstep/ddp_options.h>
+#include <lockstep/ddp_stats.h>
+#include <lockstep/world.h>
+
+namespace torch::nn {
+class Module;
+} // namespace torch::nn
+
+namespace lockstep::detail {
+
+class Reducer {
+ public:
+  /// Checks that every rank holds the same model, broadcasts rank 0's
+  /// parameters and buffers, lays out the buckets and installs the hooks.
+  Reducer(torch::nn::Module& module, World world, DdpOptions options);
+  ~Reducer();
+  Reducer(const Reducer&) = delete;
+  Reducer& operator=(const Reducer&) = delete;
+
+  /// What must happen before a forward through the wrapper: the buffer
+  /// broadcast when needed, and the iteration's bookkeeping.
+  void before_forward();
+  /// `outputs` are the forward's output tensors, for find_unused_parameters.
+  void after_forward(const std::vector<at::Tensor>& outputs);
+
+  /// Whether backward passes average gradients (false under no_sync()).
+  void set_sync_enabled(bool enabled);
+  bool sync_enabled() const;
+
+  DdpStats stats() const;
+
+  struct State;
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+} // namespace lockstep::detail

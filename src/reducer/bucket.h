@@ -1,0 +1,68 @@
+#pragma once
+
+// A bucket: one flat tensor holding the gradients of several parameters of
+// one dtype and device, followed by one "used" flag per parameter (and, in
+// the last bucket, the iteration's extras). The flags and extras ride in the
+// same all-reduce as the gradients: knowing which parameters were used
+// anywhere, or whether any rank's buffers changed, costs no extra collective.
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+namespace lockstep::detail {
+
+/// Groups the parameters, taken in `order`, into buckets of one dtype and
+/// device each: the first of each kind holds about `first_cap_mb` MiB, the
+/// others `cap_mb`. A parameter larger than the cap gets a bucket of its own.
+/// Buckets come out in the order of their first parameter.
+std::vector<std::vector<size_t>> plan_buckets(
+    const std::vector<at::Tensor>& params,
+    const std::vector<size_t>& order,
+    double first_cap_mb,
+    double cap_mb);
+
+/// Values carried after the flags of the last bucket.
+enum Extra : int64_t {
+  kBuffersChanged = 0, // ranks whose buffers changed since the last broadcast
+  kProblems = 1, // ranks that found a problem this iteration
+  kExtraCount = 2,
+};
+
+class Bucket {
+ public:
+  Bucket(std::vector<size_t> members,
+         const std::vector<at::Tensor>& params,
+         bool with_extras);
+
+  const std::vector<size_t>& members() const {
+    return members_;
+  }
+  /// The gradient slot of the k-th member, shaped like its parameter. A
+  /// plain alias without autograd view tracking, so that it can serve as
+  /// .grad and survive detach_() in Optimizer::zero_grad().
+  at::Tensor slot(size_t k) const;
+  /// Whether `grad` is the k-th member's slot (a gradient kept as a view).
+  bool holds(size_t k, const at::Tensor& grad) const;
+  /// All gradient slots together.
+  at::Tensor gradients() const;
+  at::Tensor flags() const;
+  at::Tensor extras() const;
+  /// Everything that is all-reduced.
+  const at::Tensor& buffer() const {
+    return buffer_;
+  }
+  int64_t bytes() const;
+
+ private:
+  std::vector<size_t> members_;
+  std::vector<int64_t> offsets_;
+  std::vector<std::vector<int64_t>> shapes_;
+  int64_t gradient_numel_ = 0;
+  bool with_extras_ = false;
+  at::Tensor buffer_;
+};
+
+} // namespace lockstep::detail

@@ -1,0 +1,32 @@
+#pragma once
+
+// The replicas' starting point: every rank must hold the same model, and
+// then holds rank 0's values.
+
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include <lockstep/world.h>
+
+namespace lockstep::detail {
+
+struct NamedTensor {
+  std::string name;
+  at::Tensor tensor;
+};
+
+/// Compares the parameters and buffers of every rank (count, names, shapes,
+/// dtypes, requires_grad) and raises, on every rank, a UsageError naming the
+/// first difference and what each rank has there.
+void check_same_model(
+    World& world,
+    const std::vector<NamedTensor>& parameters,
+    const std::vector<NamedTensor>& buffers);
+
+/// Overwrites `tensors` on every rank with rank 0's values, in one
+/// broadcast per dtype.
+void broadcast_from_rank0(World& world, const std::vector<at::Tensor>& tensors);
+
+} // namespace lockstep::detail
