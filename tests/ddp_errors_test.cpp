@@ -1,0 +1,157 @@
+// Bad input to DistributedDataParallel: each raises, on every rank, an error
+// whose text says what, where and how to fix it; none hangs.
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <lockstep/lockstep.h>
+
+#include "support/expect_error.h"
+#include "support/models.h"
+#include "support/multiprocess.h"
+#include "support/training.h"
+
+namespace lockstep::testing {
+namespace {
+
+using torch::nn::Linear;
+using torch::nn::ReLU;
+using torch::nn::Sequential;
+
+class DdpErrors : public ::testing::TestWithParam<int> {};
+
+// Every rank but the last builds `usual`; the last builds `odd`. Every rank
+// must raise the same error.
+void expect_model_mismatch(
+    World& world,
+    const std::function<Sequential()>& usual,
+    const std::function<Sequential()>& odd,
+    std::initializer_list<std::string> fragments) {
+  int last = world.size() - 1;
+  Sequential model = world.rank() == last ? odd() : usual();
+  expect_error<UsageError>([&] { DDP<Sequential> ddp(model, world); }, fragments);
+}
+
+TEST_P(DdpErrors, ModelsThatDiffer) {
+  run_ranks(GetParam(), [](int) {
+    World world = init();
+    std::string last = "rank " + std::to_string(world.size() - 1) + ": ";
+    auto usual = [] { return Sequential(Linear(20, 32), ReLU(), Linear(32, 5)); };
+    auto fragments_for = [&](const std::string& mine, const std::string& theirs) {
+      return std::vector<std::string>{
+          "the model differs across ranks at entry", "rank 0", mine,
+          last + theirs, "Every rank must build the same model"};
+    };
+    {
+      SCOPED_TRACE("width");
+      auto f = fragments_for("parameter '0.weight': Float [32, 20]",
+                             "parameter '0.weight': Float [33, 20]");
+      expect_model_mismatch(
+          world, usual,
+          [] { return Sequential(Linear(20, 33), ReLU(), Linear(33, 5)); },
+          {f[0], f[1], f[2], f[3], f[4]});
+    }
+    {
+      SCOPED_TRACE("an extra layer");
+      auto f = fragments_for("nothing (fewer entries)",
+                             "parameter '3.weight': Float [5, 5]");
+      expect_model_mismatch(
+          world, usual,
+          [] { return Sequential(Linear(20, 32), ReLU(), Linear(32, 5), Linear(5, 5)); },
+          {"at entry 4", f[2], f[3], "rank 0 has 4 entries"});
+    }
+    {
+      SCOPED_TRACE("other names");
+      auto f = fragments_for("parameter '0.weight'", "parameter 'input.weight'");
+      expect_model_mismatch(
+          world, usual,
+          [] {
+            return Sequential({{"input", Linear(20, 32)},
+                               {"act", ReLU()},
+                               {"output", Linear(32, 5)}});
+          },
+          {f[0], f[2], f[3]});
+    }
+    {
+      SCOPED_TRACE("another dtype");
+      auto f = fragments_for("parameter '0.weight': Float [32, 20]",
+                             "parameter '0.weight': Double [32, 20]");
+      expect_model_mismatch(
+          world, usual,
+          [&] {
+            auto model = usual();
+            model->to(torch::kDouble);
+            return model;
+          },
+          {f[0], f[2], f[3]});
+    }
+  });
+}
+
+TEST_P(DdpErrors, StaticGraphViolationNamesTheParameter) {
+  run_ranks(GetParam(), [](int rank) {
+    World world = init();
+    torch::manual_seed(7);
+    Branchy model;
+    DDP<Branchy> ddp(model, world, DdpOptions().static_graph(true));
+    for (int step = 0; step < 2; ++step) {
+      auto [x, y] = global_batch(step, 4 * world.size(), {20});
+      // Step 1: rank 0 alone switches to another head.
+      int64_t head = step == 1 && rank == 0 ? 1 : 0;
+      auto loss = torch::mse_loss(ddp(x.narrow(0, 4 * rank, 4), head),
+                                  y.narrow(0, 4 * rank, 4));
+      if (step == 0) {
+        loss.backward();
+        continue;
+      }
+      expect_error<UsageError>(
+          [&] { loss.backward(); },
+          {"iteration 2 broke a rule on 1 rank(s):\n  rank 0: parameter",
+           "parameter 'head_b.weight' got a gradient in iteration 2 but not "
+           "in the first one, which static_graph froze.",
+           "parameter 'head_a.weight' got no gradient in iteration 2 but did "
+           "in the first one"});
+    }
+  });
+}
+
+TEST_P(DdpErrors, BypassAsAnError) {
+  run_ranks(GetParam(), [](int rank) {
+    World world = init();
+    torch::manual_seed(8);
+    Mlp model;
+    DDP<Mlp> ddp(model, world, DdpOptions().bypass(Bypass::Error));
+    auto [x, y] = global_batch(0, 4 * world.size(), {20});
+    auto shard = x.narrow(0, 4 * rank, 4);
+    auto target = y.narrow(0, 4 * rank, 4);
+    expect_error<UsageError>(
+        [&] { torch::mse_loss(ddp.module()(shard), target).backward(); },
+        {"rank " + std::to_string(rank) + ": backward reached the parameters",
+         "without a forward through the wrapper", "Call ddp(input) instead"});
+    // The wrapper stays usable: the next iteration, done right, syncs.
+    model->zero_grad();
+    torch::mse_loss(ddp(shard), target).backward();
+    expect_same_on_every_rank(world, model->fc1->weight.grad(), "gradient");
+    EXPECT_EQ(ddp.stats().iterations, 1);
+  });
+}
+
+TEST(DdpErrorsAtConstruction, SparseGradientsAreRejected) {
+  run_ranks(2, [](int) {
+    World world = init();
+    auto model = Sequential(
+        {{"embedding", torch::nn::Embedding(torch::nn::EmbeddingOptions(10, 4).sparse(true))},
+         {"head", Linear(4, 2)}});
+    expect_error<UsageError>(
+        [&] { DDP<Sequential> ddp(model, world); },
+        {"module 'embedding'", "produces sparse gradients", ".sparse(false)"});
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSize, DdpErrors, ::testing::Values(2, 3),
+                         [](const auto& info) {
+                           return "world" + std::to_string(info.param);
+                         });
+
+} // namespace
+} // namespace lockstep::testing
