@@ -1,6 +1,7 @@
 #include "reducer/bucket.h"
 
 #include <map>
+#include <optional>
 #include <utility>
 
 #include <ATen/ATen.h>
@@ -19,24 +20,29 @@ std::vector<std::vector<size_t>> plan_buckets(
     bool first;
   };
   std::vector<std::vector<size_t>> buckets;
-  std::map<std::pair<int, std::string>, Open> open; // per (dtype, device)
+  // Per (dtype, device): the bucket being filled, if any, and whether the
+  // first bucket of that kind has been closed yet.
+  std::map<std::pair<int, std::string>, std::optional<Open>> open;
+  std::map<std::pair<int, std::string>, bool> had_first;
   for (size_t index : order) {
     const auto& param = params[index];
     auto kind = std::make_pair(static_cast<int>(param.scalar_type()),
                                param.device().str());
-    int64_t bytes = param.numel() * static_cast<int64_t>(param.element_size());
-    auto it = open.find(kind);
-    if (it != open.end()) {
-      double cap = (it->second.first ? first_cap_mb : cap_mb) * 1024 * 1024;
-      if (static_cast<double>(it->second.bytes + bytes) <= cap) {
-        buckets[it->second.bucket].push_back(index);
-        it->second.bytes += bytes;
-        continue;
-      }
+    auto& current = open[kind];
+    if (!current) {
+      buckets.emplace_back();
+      current = Open{buckets.size() - 1, 0, !had_first[kind]};
+      had_first[kind] = true;
     }
-    bool first = it == open.end();
-    buckets.push_back({index});
-    open[kind] = Open{buckets.size() - 1, bytes, first};
+    buckets[current->bucket].push_back(index);
+    current->bytes += param.numel() * static_cast<int64_t>(param.element_size());
+    // A bucket closes once it reaches its cap, the parameter that reached it
+    // included (PyTorch's rule): a large gradient then leaves with the
+    // small ones ready before it, instead of waiting for those after it.
+    double cap = (current->first ? first_cap_mb : cap_mb) * 1024 * 1024;
+    if (static_cast<double>(current->bytes) >= cap) {
+      current.reset();
+    }
   }
   return buckets;
 }

@@ -15,9 +15,10 @@
 namespace lockstep::detail {
 
 /// Groups the parameters, taken in `order`, into buckets of one dtype and
-/// device each: the first of each kind holds about `first_cap_mb` MiB, the
-/// others `cap_mb`. A parameter larger than the cap gets a bucket of its own.
-/// Buckets come out in the order of their first parameter.
+/// device each. A bucket closes as soon as it holds at least its cap:
+/// `first_cap_mb` MiB for the first of each kind, `cap_mb` for the others
+/// (a cap of 0 puts each parameter alone). Buckets come out in the order of
+/// their first parameter.
 std::vector<std::vector<size_t>> plan_buckets(
     const std::vector<at::Tensor>& params,
     const std::vector<size_t>& order,

@@ -1,0 +1,104 @@
+#pragma once
+
+// The benchmark models, the same as bench/ddp_torch.py builds in Python.
+
+#include <cmath>
+
+#include <torch/torch.h>
+
+namespace lockstep::bench {
+
+/// MLP 1024-2048-2048-2048-10 (10.5M parameters), optionally with a
+/// constant 1024x1024 buffer that forward reads (reference/004).
+struct MlpImpl : torch::nn::Module {
+  explicit MlpImpl(bool constant_buffer = false) {
+    int64_t widths[] = {1024, 2048, 2048, 2048, 10};
+    for (int i = 0; i < 4; ++i) {
+      layers.push_back(register_module(
+          "fc" + std::to_string(i + 1), torch::nn::Linear(widths[i], widths[i + 1])));
+    }
+    if (constant_buffer) {
+      scale = register_buffer("scale", torch::ones({1024, 1024}));
+    }
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    if (scale.defined()) {
+      x = x * scale[0];
+    }
+    for (size_t i = 0; i < layers.size(); ++i) {
+      x = layers[i](x);
+      if (i + 1 < layers.size()) {
+        x = torch::relu(x);
+      }
+    }
+    return x;
+  }
+  std::vector<torch::nn::Linear> layers;
+  torch::Tensor scale;
+};
+TORCH_MODULE(Mlp);
+
+/// The MNIST CNN of PyTorch's examples: conv 32, conv 64, fc 128, fc 10
+/// (1.2M parameters), optionally with BatchNorm after each convolution.
+struct CnnImpl : torch::nn::Module {
+  explicit CnnImpl(bool batch_norm = false)
+      : conv1(register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 32, 3)))),
+        conv2(register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(32, 64, 3)))),
+        fc1(register_module("fc1", torch::nn::Linear(9216, 128))),
+        fc2(register_module("fc2", torch::nn::Linear(128, 10))) {
+    if (batch_norm) {
+      bn1 = register_module("bn1", torch::nn::BatchNorm2d(32));
+      bn2 = register_module("bn2", torch::nn::BatchNorm2d(64));
+    }
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = conv1(x);
+    if (bn1) {
+      x = bn1(x);
+    }
+    x = conv2(torch::relu(x));
+    if (bn2) {
+      x = bn2(x);
+    }
+    x = torch::max_pool2d(torch::relu(x), 2).flatten(1);
+    return fc2(torch::relu(fc1(x)));
+  }
+  torch::nn::Conv2d conv1, conv2;
+  torch::nn::Linear fc1, fc2;
+  torch::nn::BatchNorm2d bn1{nullptr}, bn2{nullptr};
+};
+TORCH_MODULE(Cnn);
+
+/// Sets every parameter from a formula that bench/ddp_torch.py repeats, so
+/// that both sides compute on the same numbers (speed depends on them:
+/// denormals, dead ReLUs).
+inline void deterministic_init(torch::nn::Module& module) {
+  torch::NoGradGuard no_grad;
+  int64_t k = 0;
+  for (auto& param : module.parameters()) {
+    double scale = param.dim() > 1
+        ? 1.0 / std::sqrt(static_cast<double>(param.numel() / param.size(0)))
+        : 0.01;
+    auto values = torch::arange(param.numel(), torch::kFloat)
+                      .mul(0.37)
+                      .add(static_cast<double>(k++))
+                      .sin()
+                      .mul(scale);
+    param.copy_(values.view(param.sizes()));
+  }
+}
+
+/// The batch both sides train on: 64 inputs of `shape` and labels 0..9.
+inline std::pair<torch::Tensor, torch::Tensor> deterministic_batch(
+    std::vector<int64_t> shape) {
+  shape.insert(shape.begin(), 64);
+  int64_t numel = 1;
+  for (auto size : shape) {
+    numel *= size;
+  }
+  auto x = torch::arange(numel, torch::kFloat).mul(0.11).cos().view(shape);
+  auto y = torch::arange(64, torch::kLong).remainder(10);
+  return {x, y};
+}
+
+} // namespace lockstep::bench

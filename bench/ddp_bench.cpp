@@ -1,0 +1,116 @@
+// One training configuration, timed: zero_grad + forward + loss + backward +
+// SGD step, batch 64 per rank, one intra-op thread. Rank 0 prints one CSV
+// line: model, mode, median ms, peak RSS MiB (the largest over ranks).
+//
+//   ddp_bench MODEL MODE [ITERATIONS] [WARMUP]
+//   MODEL: mlp | cnn | cnn_bn | mlp_const
+//   MODE:  lockstep (DistributedDataParallel) | manual (all-reduce each
+//          gradient after backward, as C++ users do by hand) | single (one
+//          process, no communication)
+// BENCH_BUCKET_CAP_MB overrides lockstep's bucket cap, to explore its effect.
+
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <string>
+
+#include <torch/torch.h>
+
+#include <lockstep/lockstep.h>
+
+#include "bench_models.h"
+
+namespace {
+
+using namespace lockstep;
+
+template <typename ModelType>
+void run(World& world, ModelType model, const std::string& model_name,
+         const std::string& mode, std::vector<int64_t> input_shape,
+         int iterations, int warmup) {
+  lockstep::bench::deterministic_init(*model);
+  std::optional<DDP<ModelType>> ddp;
+  if (mode == "lockstep") {
+    DdpOptions options;
+    if (const char* cap = std::getenv("BENCH_BUCKET_CAP_MB")) {
+      options.bucket_cap_mb(std::atof(cap));
+    }
+    ddp.emplace(model, world, options);
+  }
+  torch::optim::SGD optimizer(model->parameters(), 1e-4);
+  auto [x, y] = lockstep::bench::deterministic_batch(input_shape);
+  std::vector<double> times;
+  for (int i = 0; i < warmup + iterations; ++i) {
+    if (i == warmup) {
+      world.barrier();
+    }
+    auto start = std::chrono::steady_clock::now();
+    optimizer.zero_grad();
+    auto out = ddp ? (*ddp)(x) : model(x);
+    torch::nn::functional::cross_entropy(out, y).backward();
+    if (mode == "manual") {
+      for (auto& param : model->parameters()) {
+        world.all_reduce(param.mutable_grad(), ReduceOp::Average);
+      }
+    }
+    optimizer.step();
+    if (i >= warmup) {
+      times.push_back(std::chrono::duration<double, std::milli>(
+                          std::chrono::steady_clock::now() - start)
+                          .count());
+    }
+  }
+  std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
+  double median = times[times.size() / 2];
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  auto rss = torch::tensor({static_cast<double>(usage.ru_maxrss) / 1024.0},
+                           torch::kDouble);
+  world.all_reduce(rss, ReduceOp::Max);
+  auto medians = torch::tensor({median}, torch::kDouble);
+  world.all_reduce(medians, ReduceOp::Max);
+  if (ddp && world.rank() == 0) {
+    auto stats = ddp->stats();
+    double n = static_cast<double>(stats.iterations);
+    std::fprintf(stderr,
+                 "%s: per iteration %.2f ms forward, %.2f ms backward of which "
+                 "%.2f ms waiting for communication; %zu buckets\n",
+                 model_name.c_str(), stats.total.forward_ms / n,
+                 stats.total.backward_ms / n, stats.total.comm_wait_ms / n,
+                 stats.bucket_bytes.size());
+  }
+  if (world.rank() == 0) {
+    std::printf("%s,%s,%.2f,%.0f\n", model_name.c_str(), mode.c_str(),
+                medians.item<double>(), rss.item<double>());
+    std::fflush(stdout);
+  }
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 3) {
+    std::cerr << "usage: ddp_bench MODEL MODE [ITERATIONS] [WARMUP]\n";
+    return 2;
+  }
+  std::string model = argv[1];
+  std::string mode = argv[2];
+  int iterations = argc > 3 ? std::atoi(argv[3]) : 100;
+  int warmup = argc > 4 ? std::atoi(argv[4]) : 10;
+  at::set_num_threads(1);
+  World world = init();
+  using namespace lockstep::bench;
+  if (model == "mlp" || model == "mlp_const") {
+    run(world, Mlp(model == "mlp_const"), model, mode, {1024}, iterations, warmup);
+  } else if (model == "cnn" || model == "cnn_bn") {
+    run(world, Cnn(model == "cnn_bn"), model, mode, {1, 28, 28}, iterations, warmup);
+  } else {
+    std::cerr << "unknown model " << model << "\n";
+    return 2;
+  }
+  return 0;
+}

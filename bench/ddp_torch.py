@@ -1,0 +1,107 @@
+"""The peer of bench/ddp_bench.cpp: the same models and loop under Python
+PyTorch DistributedDataParallel (gloo, default options). Prints the same CSV
+line on rank 0.
+
+    python3 ddp_torch.py MODEL [ITERATIONS] [WARMUP]
+"""
+import resource
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Mlp(nn.Module):
+    def __init__(self, constant_buffer=False):
+        super().__init__()
+        widths = [1024, 2048, 2048, 2048, 10]
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths, widths[1:]))
+        if constant_buffer:
+            self.register_buffer("scale", torch.ones(1024, 1024))
+        else:
+            self.scale = None
+
+    def forward(self, x):
+        if self.scale is not None:
+            x = x * self.scale[0]
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i + 1 < len(self.layers):
+                x = F.relu(x)
+        return x
+
+
+class Cnn(nn.Module):
+    def __init__(self, batch_norm=False):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, 3)
+        self.conv2 = nn.Conv2d(32, 64, 3)
+        self.fc1 = nn.Linear(9216, 128)
+        self.fc2 = nn.Linear(128, 10)
+        self.bn1 = nn.BatchNorm2d(32) if batch_norm else None
+        self.bn2 = nn.BatchNorm2d(64) if batch_norm else None
+
+    def forward(self, x):
+        x = self.conv1(x)
+        if self.bn1 is not None:
+            x = self.bn1(x)
+        x = self.conv2(F.relu(x))
+        if self.bn2 is not None:
+            x = self.bn2(x)
+        x = F.max_pool2d(F.relu(x), 2).flatten(1)
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+def deterministic_init(module):
+    """The formula of bench_models.h: both sides compute on the same numbers."""
+    with torch.no_grad():
+        for k, param in enumerate(module.parameters()):
+            scale = 1.0 / (param.numel() // param.size(0)) ** 0.5 if param.dim() > 1 else 0.01
+            values = torch.arange(param.numel(), dtype=torch.float32).mul(0.37).add(float(k)).sin().mul(scale)
+            param.copy_(values.view(param.shape))
+
+
+def deterministic_batch(shape):
+    x = torch.arange(64 * int(torch.tensor(shape).prod()), dtype=torch.float32).mul(0.11).cos().view(64, *shape)
+    return x, torch.arange(64).remainder(10)
+
+
+def main():
+    name = sys.argv[1]
+    iterations = int(sys.argv[2]) if len(sys.argv) > 2 else 100
+    warmup = int(sys.argv[3]) if len(sys.argv) > 3 else 10
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    if name.startswith("mlp"):
+        model, shape = Mlp(name == "mlp_const"), (1024,)
+    else:
+        model, shape = Cnn(name == "cnn_bn"), (1, 28, 28)
+    deterministic_init(model)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    x, y = deterministic_batch(shape)
+    times = []
+    for i in range(warmup + iterations):
+        if i == warmup:
+            dist.barrier()
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        F.cross_entropy(ddp(x), y).backward()
+        optimizer.step()
+        if i >= warmup:
+            times.append((time.perf_counter() - start) * 1e3)
+    median = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64)
+    dist.all_reduce(median, op=dist.ReduceOp.MAX)
+    dist.all_reduce(rss, op=dist.ReduceOp.MAX)
+    if dist.get_rank() == 0:
+        print(f"{name},pytorch,{median.item():.2f},{rss.item():.0f}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

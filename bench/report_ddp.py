@@ -1,0 +1,69 @@
+"""Turns bench/run-ddp's CSV into the markdown table and the bar chart."""
+import csv
+import datetime
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+MODELS = [("mlp", "MLP 1024-2048-2048-2048-10 (10.5M)"),
+          ("cnn", "MNIST CNN (1.2M)"),
+          ("cnn_bn", "MNIST CNN + BatchNorm"),
+          ("mlp_const", "MLP + constant 1024x1024 buffer")]
+MODES = [("single", "1 process, no DDP"), ("manual", "hand-written all-reduce"),
+         ("pytorch", "PyTorch DDP"), ("lockstep", "lockstep DDP")]
+
+
+def main():
+    source, table, chart, iterations, rounds = sys.argv[1:6]
+    best = {}
+    for row in csv.DictReader(open(source)):
+        key = (row["model"], row["mode"])
+        ms, rss = float(row["median_ms"]), float(row["peak_rss_mib"])
+        if key not in best or ms < best[key][0]:
+            best[key] = (ms, rss)
+    cores = os.cpu_count()
+    lines = [
+        "# lockstep DDP vs PyTorch DDP",
+        "",
+        f"2 ranks x 1 intra-op thread on one {cores}-core machine, Gloo over loopback, OpenBLAS,",
+        f"batch 64 per rank, SGD. Median ms per iteration (zero_grad + forward + loss + backward + step)",
+        f"over {iterations} timed iterations after 10 of warm-up, best of {rounds} alternating rounds;",
+        f"peak RSS is the largest rank's. Measured {datetime.date.today()} by `bench/run-ddp`;",
+        "default options on both sides (lockstep: 25 MiB buckets, gradients as bucket views,",
+        "buffers broadcast when changed; PyTorch: 25 MiB buckets, broadcast_buffers=True).",
+        "",
+        "| model | " + " | ".join(label for _, label in MODES) + " | lockstep / PyTorch | lockstep / hand-written |",
+        "|---|" + "---:|" * (len(MODES) + 2),
+    ]
+    for model, label in MODELS:
+        cells = []
+        for mode, _ in MODES:
+            ms, rss = best.get((model, mode), (float("nan"), float("nan")))
+            cells.append(f"{ms:.1f} ms, {rss:.0f} MiB")
+        lock = best.get((model, "lockstep"), (float("nan"),))[0]
+        torch_ms = best.get((model, "pytorch"), (float("nan"),))[0]
+        manual = best.get((model, "manual"), (float("nan"),))[0]
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | **{lock / torch_ms:.2f}x** | {lock / manual:.2f}x |")
+    lines += ["", "![bar chart](bench-ddp.png)", ""]
+    open(table, "w").write("\n".join(lines))
+
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.2
+    for i, (mode, label) in enumerate(MODES):
+        values = [best.get((model, mode), (0,))[0] for model, _ in MODELS]
+        ax.bar([m + (i - 1.5) * width for m in range(len(MODELS))], values, width, label=label)
+    ax.set_xticks(range(len(MODELS)))
+    ax.set_xticklabels([label for _, label in MODELS], fontsize=8)
+    ax.set_ylabel("ms per iteration (lower is better)")
+    ax.set_title("2 ranks, batch 64 per rank, 1 thread each")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(chart, dpi=100)
+
+
+if __name__ == "__main__":
+    main()
