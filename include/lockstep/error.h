@@ -44,6 +44,13 @@ class UsageError : public Error {
   using Error::Error;
 };
 
+/// A checkpoint cannot be written or read: missing, truncated, corrupted,
+/// or made for another model.
+class CheckpointError : public Error {
+ public:
+  using Error::Error;
+};
+
 /// A collective operation failed (a peer closed its connection, a bad
 /// argument rejected by the backend).
 class CollectiveError : public Error {

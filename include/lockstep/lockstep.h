@@ -2,6 +2,7 @@
 
 // Umbrella header: everything a training program needs from lockstep.
 
+#include <lockstep/checkpoint.h>
 #include <lockstep/ddp.h>
 #include <lockstep/ddp_options.h>
 #include <lockstep/ddp_stats.h>

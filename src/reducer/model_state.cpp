@@ -1,10 +1,12 @@
 #include "reducer/model_state.h"
 
 #include <map>
+#include <unordered_set>
 #include <sstream>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/grad_mode.h>
+#include <torch/nn/module.h>
 
 namespace lockstep::detail {
 namespace {
@@ -38,16 +40,42 @@ std::string ranks_text(const std::vector<int>& ranks) {
 
 } // namespace
 
+std::vector<std::string> describe_model(
+    const std::vector<NamedTensor>& parameters,
+    const std::vector<NamedTensor>& buffers) {
+  std::vector<std::string> lines;
+  for (const auto& entry : parameters) {
+    lines.push_back(describe("parameter", entry));
+  }
+  for (const auto& entry : buffers) {
+    lines.push_back(describe("buffer", entry));
+  }
+  return lines;
+}
+
+void named_state(
+    torch::nn::Module& module,
+    std::vector<NamedTensor>& parameters,
+    std::vector<NamedTensor>& buffers) {
+  // A parameter shared by two submodules appears twice; it is one tensor.
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (const auto& item : module.named_parameters()) {
+    if (seen.insert(item.value().unsafeGetTensorImpl()).second) {
+      parameters.push_back({item.key(), item.value()});
+    }
+  }
+  for (const auto& item : module.named_buffers()) {
+    buffers.push_back({item.key(), item.value()});
+  }
+}
+
 void check_same_model(
     World& world,
     const std::vector<NamedTensor>& parameters,
     const std::vector<NamedTensor>& buffers) {
   std::ostringstream mine;
-  for (const auto& entry : parameters) {
-    mine << describe("parameter", entry) << "\n";
-  }
-  for (const auto& entry : buffers) {
-    mine << describe("buffer", entry) << "\n";
+  for (const auto& line : describe_model(parameters, buffers)) {
+    mine << line << "\n";
   }
   auto texts = world.all_gather_strings(mine.str());
   std::vector<std::vector<std::string>> models;

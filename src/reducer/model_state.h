@@ -10,12 +10,28 @@
 
 #include <lockstep/world.h>
 
+namespace torch::nn {
+class Module;
+} // namespace torch::nn
+
 namespace lockstep::detail {
 
 struct NamedTensor {
   std::string name;
   at::Tensor tensor;
 };
+
+/// One line per entry: kind, name, dtype, shape, requires_grad. Equal
+/// descriptions mean the same model.
+std::vector<std::string> describe_model(
+    const std::vector<NamedTensor>& parameters,
+    const std::vector<NamedTensor>& buffers);
+
+/// The model's parameters (each tensor once) and buffers, by name.
+void named_state(
+    torch::nn::Module& module,
+    std::vector<NamedTensor>& parameters,
+    std::vector<NamedTensor>& buffers);
 
 /// Compares the parameters and buffers of every rank (count, names, shapes,
 /// dtypes, requires_grad) and raises, on every rank, a UsageError naming the

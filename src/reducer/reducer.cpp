@@ -140,26 +140,18 @@ Reducer::Reducer(torch::nn::Module& module, World world, DdpOptions options)
 
   std::vector<NamedTensor> all_params;
   std::vector<NamedTensor> all_buffers;
+  named_state(module, all_params, all_buffers);
   std::vector<at::Tensor> module_state;
-  std::unordered_map<const c10::TensorImpl*, std::string> seen;
-  for (const auto& item : module.named_parameters()) {
-    const at::Tensor& param = item.value();
-    // A parameter shared by two submodules appears twice; it is one tensor
-    // with one gradient, reduced once.
-    if (!seen.emplace(param.unsafeGetTensorImpl(), item.key()).second) {
-      continue;
-    }
-    all_params.push_back({item.key(), param});
-    module_state.push_back(param);
-    if (param.requires_grad()) {
-      state.names.push_back(item.key());
-      state.params.push_back(param);
+  for (const auto& entry : all_params) {
+    module_state.push_back(entry.tensor);
+    if (entry.tensor.requires_grad()) {
+      state.names.push_back(entry.name);
+      state.params.push_back(entry.tensor);
     }
   }
-  for (const auto& item : module.named_buffers()) {
-    all_buffers.push_back({item.key(), item.value()});
-    module_state.push_back(item.value());
-    state.buffers.push_back(item.value());
+  for (const auto& entry : all_buffers) {
+    module_state.push_back(entry.tensor);
+    state.buffers.push_back(entry.tensor);
   }
 
   check_same_model(state.world, all_params, all_buffers);

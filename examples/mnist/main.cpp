@@ -1,0 +1,229 @@
+// The main job: a CNN trained on real MNIST, data-parallel with lockstep.
+//
+//   lockstep-run --nproc-per-node 2 -- mnist_train --data data/mnist --epochs 1
+//
+// Each rank trains on its shard (DistributedRandomSampler, a new shuffle per
+// epoch); rank 0 shows progress. After each epoch the whole test set is
+// scored, sharded over the ranks, and a checkpoint is written.
+
+#include <unistd.h>
+
+#include <chrono>
+#include <csignal>
+#include <filesystem>
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <string>
+
+#include <torch/torch.h>
+
+#include <lockstep/lockstep.h>
+
+#include "flags.h"
+
+namespace {
+
+struct NetImpl : torch::nn::Module {
+  NetImpl()
+      : conv1(register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 32, 3)))),
+        conv2(register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(32, 64, 3)))),
+        fc1(register_module("fc1", torch::nn::Linear(9216, 128))),
+        fc2(register_module("fc2", torch::nn::Linear(128, 10))) {}
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::relu(conv2(torch::relu(conv1(x))));
+    x = torch::max_pool2d(x, 2).flatten(1);
+    return torch::log_softmax(fc2(torch::relu(fc1(x))), 1);
+  }
+  torch::nn::Conv2d conv1, conv2;
+  torch::nn::Linear fc1, fc2;
+};
+TORCH_MODULE(Net);
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+auto dataset(const std::string& root, torch::data::datasets::MNIST::Mode mode) {
+  return torch::data::datasets::MNIST(root, mode)
+      .map(torch::data::transforms::Normalize<>(0.1307, 0.3081))
+      .map(torch::data::transforms::Stack<>());
+}
+
+// Correct predictions over the whole test set, each rank scoring its shard.
+double test_accuracy(lockstep::World& world, Net& model, const std::string& root) {
+  torch::NoGradGuard no_grad;
+  model->eval();
+  auto test = dataset(root, torch::data::datasets::MNIST::Mode::kTest);
+  size_t size = test.size().value();
+  torch::data::samplers::DistributedSequentialSampler sampler(
+      size, world.size(), world.rank(), /*allow_duplicates=*/false);
+  auto loader = torch::data::make_data_loader(
+      std::move(test), std::move(sampler),
+      torch::data::DataLoaderOptions().batch_size(500));
+  auto counts = torch::zeros({2}, torch::kDouble); // correct, seen
+  for (auto& batch : *loader) {
+    auto predicted = model(batch.data).argmax(1);
+    counts[0] += predicted.eq(batch.target).sum().item<int64_t>();
+    counts[1] += batch.target.size(0);
+  }
+  world.all_reduce(counts);
+  model->train();
+  return counts[0].item<double>() / counts[1].item<double>();
+}
+
+void show_progress(bool terminal, int64_t epoch, int64_t epochs, int64_t step,
+                   int64_t steps, double loss, double images_per_second,
+                   int64_t log_every) {
+  if (terminal) {
+    int width = 30;
+    int filled = static_cast<int>(width * step / std::max<int64_t>(steps, 1));
+    std::printf("\repoch %lld/%lld [%s%s] step %lld/%lld  loss %.4f  %.0f images/s ",
+                static_cast<long long>(epoch), static_cast<long long>(epochs),
+                std::string(filled, '=').c_str(), std::string(width - filled, ' ').c_str(),
+                static_cast<long long>(step), static_cast<long long>(steps), loss,
+                images_per_second);
+    std::fflush(stdout);
+  } else if (step % log_every == 0 || step == steps) {
+    std::printf("epoch %lld/%lld step %lld/%lld loss %.4f %.0f images/s\n",
+                static_cast<long long>(epoch), static_cast<long long>(epochs),
+                static_cast<long long>(step), static_cast<long long>(steps), loss,
+                images_per_second);
+    std::fflush(stdout);
+  }
+}
+
+// For the restart tests: LOCKSTEP_MNIST_CRASH="epoch:step:rank" kills that
+// rank there, in the first attempt only.
+void maybe_crash(const lockstep::World& world, int64_t epoch, int64_t step) {
+  const char* spec = std::getenv("LOCKSTEP_MNIST_CRASH");
+  const char* attempt = std::getenv("LOCKSTEP_RESTART_COUNT");
+  if (spec == nullptr || (attempt != nullptr && std::string(attempt) != "0")) {
+    return;
+  }
+  long crash_epoch = 0, crash_step = 0, crash_rank = 0;
+  if (std::sscanf(spec, "%ld:%ld:%ld", &crash_epoch, &crash_step, &crash_rank) == 3 &&
+      crash_epoch == epoch && crash_step == step && crash_rank == world.rank()) {
+    std::fprintf(stderr, "rank %d: killing itself at epoch %ld step %ld (LOCKSTEP_MNIST_CRASH)\n",
+                 world.rank(), crash_epoch, crash_step);
+    std::raise(SIGKILL);
+  }
+}
+
+int run(const mnist::Flags& flags) {
+  at::set_num_threads(flags.threads);
+  mnist::require_data(flags.data);
+  lockstep::World world = lockstep::init();
+  bool lead = world.rank() == 0;
+  torch::manual_seed(flags.seed);
+  Net model;
+  lockstep::DDP<Net> ddp(model, world);
+  torch::optim::SGD optimizer(
+      model->parameters(), torch::optim::SGDOptions(flags.lr).momentum(0.9));
+
+  std::string checkpoint;
+  if (!flags.checkpoint_dir.empty()) {
+    std::filesystem::create_directories(flags.checkpoint_dir);
+    checkpoint = flags.checkpoint_dir + "/checkpoint.pt";
+  }
+  int64_t first_epoch = 1;
+  if (flags.resume && !checkpoint.empty() && lockstep::checkpoint_exists(checkpoint)) {
+    auto extra = lockstep::load_checkpoint(world, checkpoint, *model, optimizer);
+    first_epoch = extra.epoch + 1;
+    if (lead) {
+      std::printf("resumed from %s after epoch %lld (test accuracy then %.2f%%)\n",
+                  checkpoint.c_str(), static_cast<long long>(extra.epoch),
+                  100.0 * extra.values["test_accuracy"]);
+    }
+  }
+
+  auto train = dataset(flags.data, torch::data::datasets::MNIST::Mode::kTrain);
+  size_t train_size = train.size().value();
+  bool terminal = lead && ::isatty(STDOUT_FILENO);
+  auto start = Clock::now();
+  int64_t images = 0;
+  double accuracy = 0;
+  for (int64_t epoch = first_epoch; epoch <= flags.epochs; ++epoch) {
+    torch::data::samplers::DistributedRandomSampler sampler(
+        train_size, world.size(), world.rank(), /*allow_duplicates=*/false);
+    sampler.set_epoch(static_cast<size_t>(epoch));
+    // Without duplicates, each rank gets size / world_size samples.
+    int64_t shard = static_cast<int64_t>(train_size) / world.size();
+    int64_t steps = (shard + flags.batch_size - 1) / flags.batch_size;
+    if (flags.max_steps > 0) {
+      steps = std::min(steps, flags.max_steps);
+    }
+    auto loader = torch::data::make_data_loader(
+        train, std::move(sampler),
+        torch::data::DataLoaderOptions().batch_size(flags.batch_size));
+    auto epoch_start = Clock::now();
+    int64_t step = 0;
+    int64_t epoch_images = 0;
+    for (auto& batch : *loader) {
+      if (step == steps) {
+        break;
+      }
+      ++step;
+      maybe_crash(world, epoch, step);
+      optimizer.zero_grad();
+      auto loss = torch::nll_loss(ddp(batch.data), batch.target);
+      loss.backward();
+      optimizer.step();
+      images += batch.data.size(0) * world.size();
+      epoch_images += batch.data.size(0) * world.size();
+      if (lead) {
+        double rate = epoch_images / seconds_since(epoch_start);
+        show_progress(terminal, epoch, flags.epochs, step, steps, loss.item<double>(),
+                      rate, flags.log_every);
+      }
+    }
+    if (terminal) {
+      std::printf("\n");
+    }
+    accuracy = test_accuracy(world, model, flags.data);
+    if (lead) {
+      std::printf("epoch %lld: test accuracy %.2f%%\n", static_cast<long long>(epoch),
+                  100.0 * accuracy);
+      std::fflush(stdout);
+    }
+    if (!checkpoint.empty()) {
+      lockstep::CheckpointExtra extra;
+      extra.epoch = epoch;
+      extra.step = step;
+      extra.values["test_accuracy"] = accuracy;
+      lockstep::save_checkpoint(world, checkpoint, *model, optimizer, extra);
+    }
+  }
+  double wall = seconds_since(start);
+  if (lead) {
+    std::printf("final test accuracy %.2f%% | %d ranks | wall time %.1f s | %.0f images/s\n",
+                100.0 * accuracy, world.size(), wall, images / wall);
+  }
+  if (!flags.save_parameters.empty() && lead) {
+    auto params = torch::cat([&] {
+      std::vector<torch::Tensor> flat;
+      for (const auto& p : model->parameters()) {
+        flat.push_back(p.detach().reshape({-1}));
+      }
+      return flat;
+    }());
+    torch::save(params, flags.save_parameters);
+  }
+  return 0;
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(mnist::parse_flags(argc, argv));
+  } catch (const mnist::FlagError& e) {
+    std::cerr << "mnist_train: " << e.what() << "\n" << mnist::kUsage;
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << e.what() << std::endl;
+    return 1;
+  }
+}

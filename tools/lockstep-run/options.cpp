@@ -1,0 +1,114 @@
+#include "options.h"
+
+#include <cstdlib>
+
+namespace lockstep::run {
+
+const char* const kUsage = R"(usage: lockstep-run [options] -- program [args...]
+
+Starts the ranks of a lockstep (or torchrun-compatible) job on this machine
+and watches them. Each rank gets RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and LOCKSTEP_RESTART_COUNT.
+
+options:
+  --nproc-per-node N   ranks on this machine (default 1)
+  --nnodes M           machines in the job (default 1)
+  --node-rank K        this machine's index, 0..M-1 (default 0); node K runs
+                       ranks K*N .. K*N+N-1
+  --master-addr A      address of node 0, where rank 0 hosts the store
+                       (default 127.0.0.1; required when M > 1)
+  --master-port P      the store's TCP port (default: a free port when
+                       M = 1; required when M > 1)
+  --log-dir D          write each rank's output to D/rank-R.log instead of
+                       prefixing its lines with [R] here
+  --max-restarts R     after a failure, restart all ranks of this machine,
+                       up to R times (default 0)
+  --grace S            seconds between SIGTERM and SIGKILL when stopping
+                       ranks (default 3)
+  -h, --help           this text
+
+When a rank exits with an error or is killed, lockstep-run stops the others
+(SIGTERM, then SIGKILL after the grace period), says which rank failed and
+how, and exits with code 1 (or restarts, with --max-restarts). SIGINT and
+SIGTERM are forwarded to every rank. A bad command line exits with code 2.
+)";
+
+namespace {
+
+int parse_int(const std::string& flag, const std::string& text, int min_value) {
+  char* end = nullptr;
+  long value = std::strtol(text.c_str(), &end, 10);
+  if (text.empty() || *end != '\0' || value < min_value || value > 1 << 30) {
+    throw UsageError(flag + " needs an integer >= " + std::to_string(min_value) +
+                     ", got '" + text + "'");
+  }
+  return static_cast<int>(value);
+}
+
+} // namespace
+
+RunOptions parse_options(int argc, char** argv) {
+  RunOptions options;
+  bool port_given = false;
+  bool addr_given = false;
+  int i = 1;
+  auto value = [&](const std::string& flag) -> std::string {
+    if (i + 1 >= argc) {
+      throw UsageError(flag + " needs a value");
+    }
+    return argv[++i];
+  };
+  for (; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "--") {
+      ++i;
+      break;
+    }
+    if (arg == "-h" || arg == "--help") {
+      options.help = true;
+      return options;
+    } else if (arg == "--nproc-per-node") {
+      options.nproc_per_node = parse_int(arg, value(arg), 1);
+    } else if (arg == "--nnodes") {
+      options.nnodes = parse_int(arg, value(arg), 1);
+    } else if (arg == "--node-rank") {
+      options.node_rank = parse_int(arg, value(arg), 0);
+    } else if (arg == "--master-addr") {
+      options.master_addr = value(arg);
+      addr_given = true;
+    } else if (arg == "--master-port") {
+      options.master_port = parse_int(arg, value(arg), 1);
+      port_given = true;
+    } else if (arg == "--log-dir") {
+      options.log_dir = value(arg);
+    } else if (arg == "--max-restarts") {
+      options.max_restarts = parse_int(arg, value(arg), 0);
+    } else if (arg == "--grace") {
+      options.grace_seconds = parse_int(arg, value(arg), 0);
+    } else {
+      throw UsageError("unknown option '" + arg + "'");
+    }
+  }
+  for (; i < argc; ++i) {
+    options.command.emplace_back(argv[i]);
+  }
+  if (options.command.empty()) {
+    throw UsageError("no program to run: put it after --");
+  }
+  if (options.master_port > 65535) {
+    throw UsageError("--master-port must be a TCP port (1 to 65535)");
+  }
+  if (options.node_rank >= options.nnodes) {
+    throw UsageError("--node-rank " + std::to_string(options.node_rank) +
+                     " is out of range for --nnodes " +
+                     std::to_string(options.nnodes));
+  }
+  if (options.nnodes > 1 && (!port_given || !addr_given)) {
+    throw UsageError("--nnodes > 1 needs --master-addr and --master-port "
+                     "(node 0's address and a port free there), the same "
+                     "on every node");
+  }
+  return options;
+}
+
+} // namespace lockstep::run

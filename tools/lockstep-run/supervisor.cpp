@@ -1,0 +1,265 @@
+#include "supervisor.h"
+
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <iostream>
+#include <string>
+#include <vector>
+
+extern char** environ;
+
+namespace lockstep::run {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int signal_pipe[2] = {-1, -1};
+
+void on_signal(int signo) {
+  unsigned char byte = static_cast<unsigned char>(signo);
+  [[maybe_unused]] auto written = ::write(signal_pipe[1], &byte, 1);
+}
+
+struct Rank {
+  int global = 0;
+  pid_t pid = -1;
+  int output = -1; // read end of the rank's stdout+stderr
+  int log = -1; // with --log-dir
+  std::string partial; // a line not yet ended
+  bool running = false;
+  int status = 0;
+};
+
+void say(const std::string& line) {
+  std::cerr << "lockstep-run: " << line << std::endl;
+}
+
+std::string describe_exit(int status) {
+  if (WIFSIGNALED(status)) {
+    int signo = WTERMSIG(status);
+    return "was killed by signal " + std::to_string(signo) + " (" +
+        ::strsignal(signo) + ")";
+  }
+  return "exited with code " + std::to_string(WEXITSTATUS(status));
+}
+
+bool failed(int status) {
+  return WIFSIGNALED(status) || WEXITSTATUS(status) != 0;
+}
+
+void spawn(Rank& rank, const RunOptions& options, int local, int attempt, int port) {
+  int world = options.nnodes * options.nproc_per_node;
+  std::vector<std::string> env;
+  for (char** entry = environ; *entry != nullptr; ++entry) {
+    env.emplace_back(*entry);
+  }
+  auto set = [&](const std::string& name, const std::string& value) {
+    env.push_back(name + "=" + value);
+  };
+  set("RANK", std::to_string(rank.global));
+  set("WORLD_SIZE", std::to_string(world));
+  set("LOCAL_RANK", std::to_string(local));
+  set("LOCAL_WORLD_SIZE", std::to_string(options.nproc_per_node));
+  set("GROUP_RANK", std::to_string(options.node_rank));
+  set("MASTER_ADDR", options.master_addr);
+  set("MASTER_PORT", std::to_string(port));
+  set("LOCKSTEP_RESTART_COUNT", std::to_string(attempt));
+  std::vector<char*> envp;
+  for (auto& entry : env) {
+    envp.push_back(entry.data());
+  }
+  envp.push_back(nullptr);
+  std::vector<std::string> args = options.command;
+  std::vector<char*> argv;
+  for (auto& arg : args) {
+    argv.push_back(arg.data());
+  }
+  argv.push_back(nullptr);
+
+  int pipe_fds[2];
+  if (::pipe2(pipe_fds, O_CLOEXEC) != 0) {
+    throw std::runtime_error("pipe failed");
+  }
+  rank.pid = ::fork();
+  if (rank.pid == 0) {
+    ::dup2(pipe_fds[1], STDOUT_FILENO);
+    ::dup2(pipe_fds[1], STDERR_FILENO);
+    ::signal(SIGINT, SIG_DFL);
+    ::signal(SIGTERM, SIG_DFL);
+    ::execvpe(argv[0], argv.data(), envp.data());
+    std::string message = "lockstep-run: cannot run " + args[0] + ": " +
+        std::strerror(errno) + "\n";
+    [[maybe_unused]] auto written = ::write(STDERR_FILENO, message.data(), message.size());
+    ::_exit(127);
+  }
+  ::close(pipe_fds[1]);
+  rank.output = pipe_fds[0];
+  rank.running = true;
+  if (!options.log_dir.empty()) {
+    std::string path = options.log_dir + "/rank-" + std::to_string(rank.global) + ".log";
+    rank.log = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    if (rank.log < 0) {
+      throw std::runtime_error("cannot write " + path + ": " + std::strerror(errno));
+    }
+  }
+}
+
+// Writes complete lines: prefixed on our stdout, or as they are to the log.
+void carry(Rank& rank, const char* data, size_t size, bool flush) {
+  rank.partial.append(data, size);
+  size_t start = 0;
+  for (size_t end; (end = rank.partial.find('\n', start)) != std::string::npos || flush;) {
+    if (end == std::string::npos) {
+      end = rank.partial.size();
+      if (end == start) {
+        break;
+      }
+    }
+    std::string line = rank.partial.substr(start, end - start) + "\n";
+    if (rank.log >= 0) {
+      [[maybe_unused]] auto written = ::write(rank.log, line.data(), line.size());
+    } else {
+      std::string prefixed = "[" + std::to_string(rank.global) + "] " + line;
+      [[maybe_unused]] auto written = ::write(STDOUT_FILENO, prefixed.data(), prefixed.size());
+    }
+    start = end + 1;
+    if (start > rank.partial.size()) {
+      break;
+    }
+  }
+  rank.partial.erase(0, std::min(start, rank.partial.size()));
+}
+
+void signal_all(std::vector<Rank>& ranks, int signo) {
+  for (auto& rank : ranks) {
+    if (rank.running) {
+      ::kill(rank.pid, signo);
+    }
+  }
+}
+
+int pick_free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof(address);
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&address), length) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
+    throw std::runtime_error("cannot find a free port");
+  }
+  ::close(fd);
+  return ntohs(address.sin_port);
+}
+
+} // namespace
+
+void install_signal_forwarding() {
+  if (::pipe2(signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) {
+    throw std::runtime_error("pipe failed");
+  }
+  struct sigaction action {};
+  action.sa_handler = on_signal;
+  ::sigemptyset(&action.sa_mask);
+  ::sigaction(SIGINT, &action, nullptr);
+  ::sigaction(SIGTERM, &action, nullptr);
+}
+
+AttemptResult run_attempt(const RunOptions& options, int attempt) {
+  if (!options.log_dir.empty()) {
+    ::mkdir(options.log_dir.c_str(), 0755);
+  }
+  int port = options.master_port != 0 ? options.master_port : pick_free_port();
+  std::vector<Rank> ranks(options.nproc_per_node);
+  for (int local = 0; local < options.nproc_per_node; ++local) {
+    ranks[local].global = options.node_rank * options.nproc_per_node + local;
+    spawn(ranks[local], options, local, attempt, port);
+  }
+
+  AttemptResult result;
+  bool stopping = false;
+  Clock::time_point kill_at;
+  int running = options.nproc_per_node;
+  char buffer[65536];
+  while (running > 0) {
+    std::vector<pollfd> fds;
+    fds.push_back({signal_pipe[0], POLLIN, 0});
+    for (auto& rank : ranks) {
+      fds.push_back({rank.output, POLLIN, 0});
+    }
+    ::poll(fds.data(), fds.size(), 50);
+    unsigned char signo = 0;
+    while (::read(signal_pipe[0], &signo, 1) == 1) {
+      say(std::string("got ") + ::strsignal(signo) + ", passing it to every rank");
+      signal_all(ranks, signo);
+      result = {Outcome::Interrupted, signo};
+      if (!stopping) {
+        stopping = true;
+        kill_at = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                     std::chrono::duration<double>(options.grace_seconds));
+      }
+    }
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      auto& rank = ranks[i];
+      if (rank.output < 0 || !(fds[i + 1].revents & (POLLIN | POLLHUP))) {
+        continue;
+      }
+      ssize_t got = ::read(rank.output, buffer, sizeof(buffer));
+      if (got > 0) {
+        carry(rank, buffer, static_cast<size_t>(got), false);
+      } else {
+        carry(rank, "", 0, true);
+        ::close(rank.output);
+        rank.output = -1;
+        fds[i + 1].fd = -1;
+      }
+    }
+    for (auto& rank : ranks) {
+      if (!rank.running || ::waitpid(rank.pid, &rank.status, WNOHANG) != rank.pid) {
+        continue;
+      }
+      rank.running = false;
+      --running;
+      if (failed(rank.status) && !stopping) {
+        say("rank " + std::to_string(rank.global) + " " + describe_exit(rank.status) +
+            "; stopping the other ranks");
+        result = {Outcome::RankFailed, 0};
+        stopping = true;
+        signal_all(ranks, SIGTERM);
+        kill_at = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                     std::chrono::duration<double>(options.grace_seconds));
+      }
+    }
+    if (stopping && running > 0 && Clock::now() >= kill_at) {
+      signal_all(ranks, SIGKILL);
+    }
+  }
+  for (auto& rank : ranks) {
+    if (rank.output >= 0) {
+      while (true) {
+        ssize_t got = ::read(rank.output, buffer, sizeof(buffer));
+        if (got <= 0) {
+          break;
+        }
+        carry(rank, buffer, static_cast<size_t>(got), false);
+      }
+      carry(rank, "", 0, true);
+      ::close(rank.output);
+    }
+    if (rank.log >= 0) {
+      ::close(rank.log);
+    }
+  }
+  return result;
+}
+
+} // namespace lockstep::run

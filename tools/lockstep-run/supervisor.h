@@ -1,0 +1,26 @@
+#pragma once
+
+// Runs one attempt of a job's local ranks: spawns them, carries their
+// output, stops them all when one fails or a signal arrives.
+
+#include "options.h"
+
+namespace lockstep::run {
+
+enum class Outcome {
+  Succeeded, // every rank exited with code 0
+  RankFailed, // a rank exited non-zero or was killed; the others stopped
+  Interrupted, // SIGINT or SIGTERM reached lockstep-run; forwarded
+};
+
+struct AttemptResult {
+  Outcome outcome = Outcome::Succeeded;
+  int signal = 0; // for Interrupted: which one
+};
+
+/// Installs the handlers that forward SIGINT and SIGTERM to the ranks.
+void install_signal_forwarding();
+
+AttemptResult run_attempt(const RunOptions& options, int attempt);
+
+} // namespace lockstep::run
