@@ -1,22 +1,14 @@
 #include "support/multiprocess.h"
 
-#include <fcntl.h>
 #include <netinet/in.h>
-#include <signal.h>
 #include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
-#include <cstring>
-#include <fstream>
 #include <iostream>
 #include <sstream>
-#include <thread>
 
 #include <gtest/gtest.h>
-
-extern char** environ;
 
 namespace lockstep::testing {
 namespace {
@@ -25,10 +17,6 @@ using Clock = std::chrono::steady_clock;
 
 constexpr const char* kLaunchVariable = "LOCKSTEP_TEST_LAUNCH";
 constexpr const char* kRankVariable = "LOCKSTEP_TEST_RANK";
-
-// Variables of other launchers that would change how a rank forms its world.
-constexpr const char* kForeignPrefixes[] = {
-    "OMPI_", "PMIX_", "SLURM_", "TORCHELASTIC_", "GROUP_", "ROLE_"};
 
 std::string current_test_name() {
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
@@ -88,11 +76,10 @@ int count_failed_parts() {
   std::_Exit(status);
 }
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
+std::string self_executable() {
+  char self[4096] = {};
+  ssize_t length = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
+  return length > 0 ? std::string(self, static_cast<size_t>(length)) : "/proc/self/exe";
 }
 
 std::string tail(const std::string& text, size_t limit) {
@@ -103,107 +90,10 @@ std::string tail(const std::string& text, size_t limit) {
       text.substr(text.size() - limit);
 }
 
-bool foreign(const std::string& entry) {
-  for (const char* prefix : kForeignPrefixes) {
-    if (entry.rfind(prefix, 0) == 0) {
-      return true;
-    }
-  }
-  return false;
-}
-
-struct Child {
-  pid_t pid = -1;
-  std::string log_path;
-  bool running = false;
-};
-
-Child spawn_rank(
-    const std::string& launch_id,
-    int rank,
-    const RankEnvironment& overrides) {
-  std::map<std::string, std::string> env;
-  for (char** entry = environ; *entry != nullptr; ++entry) {
-    std::string text = *entry;
-    auto eq = text.find('=');
-    if (eq != std::string::npos && !foreign(text)) {
-      env[text.substr(0, eq)] = text.substr(eq + 1);
-    }
-  }
-  for (const auto& [name, value] : overrides) {
-    if (value.empty()) {
-      env.erase(name);
-    } else {
-      env[name] = value;
-    }
-  }
-  env[kLaunchVariable] = launch_id;
-  env[kRankVariable] = std::to_string(rank);
-
-  // Everything is prepared before fork: between fork and exec only
-  // async-signal-safe calls are allowed.
-  std::vector<std::string> env_strings;
-  for (const auto& [name, value] : env) {
-    env_strings.push_back(name + "=" + value);
-  }
-  std::vector<char*> envp;
-  for (auto& entry : env_strings) {
-    envp.push_back(entry.data());
-  }
-  envp.push_back(nullptr);
-  std::string filter = "--gtest_filter=" + launch_id.substr(0, launch_id.rfind('#'));
-  std::string exe = "/proc/self/exe";
-  char self[4096] = {};
-  ssize_t length = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
-  if (length > 0) {
-    exe.assign(self, static_cast<size_t>(length));
-  }
-  std::vector<char*> argv{exe.data(), filter.data(), nullptr};
-
-  char log_template[] = "/tmp/lockstep-rank-XXXXXX";
-  int log_fd = ::mkstemp(log_template);
-  if (log_fd < 0) {
-    throw std::runtime_error("cannot create a log file for a rank");
-  }
-  Child child;
-  child.log_path = log_template;
-  child.pid = ::fork();
-  if (child.pid < 0) {
-    ::close(log_fd);
-    throw std::runtime_error("fork failed");
-  }
-  if (child.pid == 0) {
-    ::setpgid(0, 0);
-    ::dup2(log_fd, STDOUT_FILENO);
-    ::dup2(log_fd, STDERR_FILENO);
-    int null_fd = ::open("/dev/null", O_RDONLY);
-    if (null_fd >= 0) {
-      ::dup2(null_fd, STDIN_FILENO);
-    }
-    ::execve(exe.c_str(), argv.data(), envp.data());
-    ::_exit(127);
-  }
-  ::setpgid(child.pid, child.pid); // also here: no race with the kill below
-  ::close(log_fd);
-  child.running = true;
-  return child;
-}
-
 } // namespace
 
 std::string RankResult::status() const {
-  std::ostringstream out;
-  out << "rank " << rank << ": ";
-  if (timed_out) {
-    out << "timed out (still running at the limit), killed";
-  } else if (signal != 0) {
-    out << "killed by signal " << signal << " (" << ::strsignal(signal) << ")";
-  } else if (exit_code == 0) {
-    out << "ok";
-  } else {
-    out << "exited with code " << exit_code;
-  }
-  return out.str();
+  return "rank " + std::to_string(rank) + ": " + ProcessExit::status();
 }
 
 bool LaunchResult::ok() const {
@@ -273,8 +163,9 @@ LaunchResult launch_ranks(
 
   LaunchResult result;
   result.master_port = free_port();
-  std::vector<Child> children;
+  std::vector<Process> children;
   auto start = Clock::now();
+  std::string filter = "--gtest_filter=" + launch_id.substr(0, launch_id.rfind('#'));
   for (int rank = 0; rank < options.world_size; ++rank) {
     RankEnvironment env{
         {"RANK", std::to_string(rank)},
@@ -288,54 +179,19 @@ LaunchResult launch_ranks(
     if (options.environment) {
       options.environment(rank, env);
     }
-    children.push_back(spawn_rank(launch_id, rank, env));
+    env[kLaunchVariable] = launch_id;
+    env[kRankVariable] = std::to_string(rank);
+    children.emplace_back(std::vector<std::string>{self_executable(), filter}, env);
+  }
+  auto deadline = start + options.timeout;
+  for (int rank = 0; rank < options.world_size; ++rank) {
     RankResult rank_result;
+    static_cast<ProcessExit&>(rank_result) = children[rank].wait_until(deadline);
     rank_result.rank = rank;
     result.ranks.push_back(rank_result);
   }
-
-  auto deadline = start + options.timeout;
-  int running = options.world_size;
-  while (running > 0) {
-    for (int rank = 0; rank < options.world_size; ++rank) {
-      auto& child = children[rank];
-      if (!child.running) {
-        continue;
-      }
-      int status = 0;
-      if (::waitpid(child.pid, &status, WNOHANG) == child.pid) {
-        child.running = false;
-        --running;
-        if (WIFEXITED(status)) {
-          result.ranks[rank].exit_code = WEXITSTATUS(status);
-        } else if (WIFSIGNALED(status)) {
-          result.ranks[rank].signal = WTERMSIG(status);
-        }
-      }
-    }
-    if (running > 0 && Clock::now() >= deadline) {
-      for (int rank = 0; rank < options.world_size; ++rank) {
-        auto& child = children[rank];
-        if (child.running) {
-          ::kill(-child.pid, SIGKILL);
-          ::kill(child.pid, SIGKILL);
-          ::waitpid(child.pid, nullptr, 0);
-          child.running = false;
-          result.ranks[rank].timed_out = true;
-        }
-      }
-      running = 0;
-    }
-    if (running > 0) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-  }
   result.elapsed = std::chrono::duration_cast<std::chrono::milliseconds>(
       Clock::now() - start);
-  for (int rank = 0; rank < options.world_size; ++rank) {
-    result.ranks[rank].output = read_file(children[rank].log_path);
-    ::unlink(children[rank].log_path.c_str());
-  }
   return result;
 }
 

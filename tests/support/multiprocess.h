@@ -8,13 +8,14 @@
 
 #include <chrono>
 #include <functional>
-#include <map>
 #include <string>
 #include <vector>
 
+#include "support/process.h"
+
 namespace lockstep::testing {
 
-using RankEnvironment = std::map<std::string, std::string>;
+using RankEnvironment = Environment;
 
 struct LaunchOptions {
   int world_size = 2;
@@ -27,16 +28,9 @@ struct LaunchOptions {
   std::function<void(int rank, RankEnvironment&)> environment;
 };
 
-struct RankResult {
+struct RankResult : ProcessExit {
   int rank = 0;
-  int exit_code = -1; // when it exited
-  int signal = 0; // when a signal ended it
-  bool timed_out = false;
-  std::string output; // stdout and stderr, interleaved
-
-  bool ok() const {
-    return exit_code == 0 && signal == 0 && !timed_out;
-  }
+  /// "rank R: " and how it ended.
   std::string status() const;
 };
 
