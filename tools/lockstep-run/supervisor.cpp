@@ -4,11 +4,13 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <iostream>
@@ -91,6 +93,11 @@ void spawn(Rank& rank, const RunOptions& options, int local, int attempt, int po
   }
   rank.pid = ::fork();
   if (rank.pid == 0) {
+    // A rank dies with its launcher: killing a node's launcher stops that
+    // node's part of the job instead of leaving orphans.
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    // Its own process group, so that stopping a rank stops what it started.
+    ::setpgid(0, 0);
     ::dup2(pipe_fds[1], STDOUT_FILENO);
     ::dup2(pipe_fds[1], STDERR_FILENO);
     ::signal(SIGINT, SIG_DFL);
@@ -101,7 +108,10 @@ void spawn(Rank& rank, const RunOptions& options, int local, int attempt, int po
     [[maybe_unused]] auto written = ::write(STDERR_FILENO, message.data(), message.size());
     ::_exit(127);
   }
+  ::setpgid(rank.pid, rank.pid);
   ::close(pipe_fds[1]);
+  // Never blocks: a process that a rank left behind may hold the pipe open.
+  ::fcntl(pipe_fds[0], F_SETFL, O_NONBLOCK);
   rank.output = pipe_fds[0];
   rank.running = true;
   if (!options.log_dir.empty()) {
@@ -142,7 +152,7 @@ void carry(Rank& rank, const char* data, size_t size, bool flush) {
 void signal_all(std::vector<Rank>& ranks, int signo) {
   for (auto& rank : ranks) {
     if (rank.running) {
-      ::kill(rank.pid, signo);
+      ::kill(-rank.pid, signo);
     }
   }
 }
@@ -216,6 +226,8 @@ AttemptResult run_attempt(const RunOptions& options, int attempt) {
       ssize_t got = ::read(rank.output, buffer, sizeof(buffer));
       if (got > 0) {
         carry(rank, buffer, static_cast<size_t>(got), false);
+      } else if (got < 0 && errno == EAGAIN) {
+        continue;
       } else {
         carry(rank, "", 0, true);
         ::close(rank.output);

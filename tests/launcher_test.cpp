@@ -1,0 +1,157 @@
+// lockstep-run: environment, output, failure handling, signals, restarts,
+// bad command lines.
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include "support/process.h"
+
+namespace lockstep::testing {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+ProcessExit launch(std::vector<std::string> args, const Environment& env = {},
+                   std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
+  args.insert(args.begin(), LOCKSTEP_RUN_BINARY);
+  return run_process(args, env, timeout);
+}
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+TEST(Launcher, GivesEveryRankItsVariablesAndPrefixesItsLines) {
+  auto result = launch({"--nproc-per-node", "3", "--", "sh", "-c",
+                        "echo rank=$RANK size=$WORLD_SIZE local=$LOCAL_RANK/$LOCAL_WORLD_SIZE "
+                        "master=$MASTER_ADDR:$MASTER_PORT attempt=$LOCKSTEP_RESTART_COUNT"});
+  ASSERT_TRUE(result.ok()) << result.output;
+  for (int rank = 0; rank < 3; ++rank) {
+    std::string r = std::to_string(rank);
+    EXPECT_TRUE(contains(result.output, "[" + r + "] rank=" + r + " size=3 local=" + r +
+                                            "/3 master=127.0.0.1:"))
+        << result.output;
+  }
+  EXPECT_TRUE(contains(result.output, "attempt=0"));
+  EXPECT_FALSE(contains(result.output, "master=127.0.0.1:0 ")) << "no port was picked";
+}
+
+TEST(Launcher, NodeRankShiftsTheGlobalRanks) {
+  auto result = launch({"--nproc-per-node", "2", "--nnodes", "3", "--node-rank", "2",
+                        "--master-addr", "127.0.0.1", "--master-port", "29999", "--",
+                        "sh", "-c", "echo rank=$RANK size=$WORLD_SIZE local=$LOCAL_RANK"});
+  ASSERT_TRUE(result.ok()) << result.output;
+  EXPECT_TRUE(contains(result.output, "[4] rank=4 size=6 local=0"));
+  EXPECT_TRUE(contains(result.output, "[5] rank=5 size=6 local=1"));
+}
+
+TEST(Launcher, AFailingRankStopsTheOthersQuickly) {
+  auto start = Clock::now();
+  auto result = launch({"--nproc-per-node", "3", "--", "sh", "-c",
+                        "if [ $RANK = 1 ]; then exit 3; fi; sleep 60"});
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(5));
+  EXPECT_EQ(result.exit_code, 1);
+  EXPECT_TRUE(contains(result.output, "lockstep-run: rank 1 exited with code 3; stopping the other ranks"))
+      << result.output;
+}
+
+TEST(Launcher, AKilledRankIsNamedWithItsSignal) {
+  auto result = launch({"--nproc-per-node", "2", "--", "sh", "-c",
+                        "if [ $RANK = 0 ]; then kill -9 $$; fi; sleep 60"});
+  EXPECT_EQ(result.exit_code, 1);
+  EXPECT_TRUE(contains(result.output, "rank 0 was killed by signal 9 (Killed)")) << result.output;
+}
+
+TEST(Launcher, ARankThatIgnoresSigtermIsKilledAfterTheGrace) {
+  auto start = Clock::now();
+  auto result = launch({"--nproc-per-node", "2", "--grace", "1", "--", "sh", "-c",
+                        "if [ $RANK = 0 ]; then exit 1; fi; trap '' TERM; sleep 60"});
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(5));
+  EXPECT_EQ(result.exit_code, 1);
+}
+
+TEST(Launcher, ForwardsSigintToEveryRank) {
+  char folder[] = "/tmp/lockstep-launcher-XXXXXX";
+  ASSERT_NE(::mkdtemp(folder), nullptr);
+  std::string marks = folder;
+  Process launcher({LOCKSTEP_RUN_BINARY, "--nproc-per-node", "2", "--", "sh", "-c",
+                    "trap 'echo got > " + marks + "/int-$RANK; exit 0' INT; "
+                    "touch " + marks + "/ready-$RANK; while true; do sleep 0.1; done"},
+                   {});
+  auto deadline = Clock::now() + std::chrono::seconds(10);
+  while (!(::access((marks + "/ready-0").c_str(), F_OK) == 0 &&
+           ::access((marks + "/ready-1").c_str(), F_OK) == 0) &&
+         Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ::kill(launcher.pid(), SIGINT);
+  auto result = launcher.wait_until(Clock::now() + std::chrono::seconds(10));
+  EXPECT_EQ(result.exit_code, 128 + SIGINT) << result.output;
+  EXPECT_EQ(::access((marks + "/int-0").c_str(), F_OK), 0) << result.output;
+  EXPECT_EQ(::access((marks + "/int-1").c_str(), F_OK), 0) << result.output;
+  EXPECT_TRUE(contains(result.output, "passing it to every rank"));
+  std::system(("rm -rf " + marks).c_str());
+}
+
+TEST(Launcher, WritesOneLogPerRank) {
+  char folder[] = "/tmp/lockstep-launcher-XXXXXX";
+  ASSERT_NE(::mkdtemp(folder), nullptr);
+  std::string logs = std::string(folder) + "/logs";
+  auto result = launch({"--nproc-per-node", "2", "--log-dir", logs, "--", "sh", "-c",
+                        "echo hello from $RANK"});
+  ASSERT_TRUE(result.ok()) << result.output;
+  for (int rank = 0; rank < 2; ++rank) {
+    std::ifstream log(logs + "/rank-" + std::to_string(rank) + ".log");
+    std::string line;
+    std::getline(log, line);
+    EXPECT_EQ(line, "hello from " + std::to_string(rank));
+  }
+  std::system(("rm -rf " + std::string(folder)).c_str());
+}
+
+TEST(Launcher, RestartsEveryRankAfterAFailure) {
+  auto result = launch({"--nproc-per-node", "2", "--max-restarts", "2", "--", "sh", "-c",
+                        "if [ $LOCKSTEP_RESTART_COUNT = 0 ] && [ $RANK = 1 ]; then exit 1; fi; "
+                        "echo done attempt $LOCKSTEP_RESTART_COUNT"});
+  EXPECT_TRUE(result.ok()) << result.output;
+  EXPECT_TRUE(contains(result.output, "restarting every rank (restart 1 of 2)"));
+  EXPECT_TRUE(contains(result.output, "[0] done attempt 1"));
+  EXPECT_TRUE(contains(result.output, "[1] done attempt 1"));
+}
+
+TEST(Launcher, GivesUpAfterItsRestarts) {
+  auto result = launch({"--nproc-per-node", "1", "--max-restarts", "1", "--", "false"});
+  EXPECT_EQ(result.exit_code, 1);
+  EXPECT_TRUE(contains(result.output, "the job failed after 1 restart(s)")) << result.output;
+}
+
+TEST(Launcher, BadCommandLinesExitWithUsage) {
+  for (const auto& args : std::vector<std::vector<std::string>>{
+           {"--bogus", "--", "true"},
+           {"--nproc-per-node", "0", "--", "true"},
+           {"--nproc-per-node", "two", "--", "true"},
+           {"--nnodes", "2", "--", "true"},
+           {"--nnodes", "2", "--node-rank", "2", "--master-addr", "a", "--master-port", "1", "--", "true"},
+           {"--nproc-per-node", "2"}}) {
+    auto result = launch(args);
+    EXPECT_EQ(result.exit_code, 2) << args.front();
+    EXPECT_TRUE(contains(result.output, "usage: lockstep-run")) << result.output;
+  }
+  auto help = launch({"--help"});
+  EXPECT_EQ(help.exit_code, 0);
+  EXPECT_TRUE(contains(help.output, "--max-restarts R"));
+}
+
+TEST(Launcher, RunsTheHelloJob) {
+  auto result = launch({"--nproc-per-node", "2", "--", HELLO_BINARY});
+  ASSERT_TRUE(result.ok()) << result.output;
+  EXPECT_TRUE(contains(result.output, "[1] [rank 1] contributed 2, all_reduce(sum) gave 3"));
+}
+
+} // namespace
+} // namespace lockstep::testing
