@@ -21,7 +21,7 @@ inline const char* const kUsage = R"(usage: mnist_train [flags]
   --log-every N          progress line every N steps when not on a terminal (default 50)
   --max-steps N          at most N steps per epoch (for quick runs)
   --threads N            intra-op threads per rank (default 1)
-  --save-parameters FILE rank 0 writes the final parameters (for tests)
+  --save-parameters FILE rank 0 writes the final parameters as raw bytes (for tests)
 )";
 
 class FlagError : public std::runtime_error {

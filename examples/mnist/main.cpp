@@ -11,6 +11,7 @@
 #include <chrono>
 #include <csignal>
 #include <filesystem>
+#include <fstream>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
@@ -202,14 +203,13 @@ int run(const mnist::Flags& flags) {
                 100.0 * accuracy, world.size(), wall, images / wall);
   }
   if (!flags.save_parameters.empty() && lead) {
-    auto params = torch::cat([&] {
-      std::vector<torch::Tensor> flat;
-      for (const auto& p : model->parameters()) {
-        flat.push_back(p.detach().reshape({-1}));
-      }
-      return flat;
-    }());
-    torch::save(params, flags.save_parameters);
+    // Raw bytes, so that two runs compare bit for bit with cmp.
+    std::ofstream out(flags.save_parameters, std::ios::binary);
+    for (const auto& param : model->parameters()) {
+      auto data = param.detach().contiguous();
+      out.write(static_cast<const char*>(data.data_ptr()),
+                static_cast<std::streamsize>(data.numel() * data.element_size()));
+    }
   }
   return 0;
 }

@@ -1,0 +1,153 @@
+// The MNIST job under every launcher, exact resume from a checkpoint, and a
+// restart after a rank was killed. Short runs (--max-steps); the accuracy
+// run of the demo is the separate ctest entry mnist.demo_accuracy.
+
+#include <unistd.h>
+
+#include <fstream>
+#include <sstream>
+
+#include <gtest/gtest.h>
+
+#include "support/multiprocess.h"
+#include "support/process.h"
+
+namespace lockstep::testing {
+namespace {
+
+std::string data_dir() {
+  const char* root = std::getenv("LOCKSTEP_DATA_DIR");
+  return (root ? std::string(root) : std::string(LOCKSTEP_SOURCE_DIR) + "/data") + "/mnist";
+}
+
+std::vector<std::string> job(std::vector<std::string> flags) {
+  std::vector<std::string> args{MNIST_TRAIN_BINARY, "--data", data_dir(), "--max-steps", "30"};
+  args.insert(args.end(), flags.begin(), flags.end());
+  return args;
+}
+
+std::vector<std::string> under_launcher(std::vector<std::string> launcher_flags,
+                                        const std::vector<std::string>& command) {
+  launcher_flags.insert(launcher_flags.begin(), LOCKSTEP_RUN_BINARY);
+  launcher_flags.push_back("--");
+  launcher_flags.insert(launcher_flags.end(), command.begin(), command.end());
+  return launcher_flags;
+}
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+std::string read_all(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream bytes;
+  bytes << in.rdbuf();
+  return bytes.str();
+}
+
+class ScratchFolder {
+ public:
+  ScratchFolder() {
+    char folder[] = "/tmp/lockstep-mnist-XXXXXX";
+    path_ = ::mkdtemp(folder);
+  }
+  ~ScratchFolder() {
+    std::system(("rm -rf " + path_).c_str());
+  }
+  std::string operator/(const std::string& name) const {
+    return path_ + "/" + name;
+  }
+
+ private:
+  std::string path_;
+};
+
+TEST(MnistJob, RunsAsOnePlainProcess) {
+  auto result = run_process(job({}), {{"RANK", ""}, {"WORLD_SIZE", ""}});
+  ASSERT_TRUE(result.ok()) << result.output;
+  EXPECT_TRUE(contains(result.output, "| 1 ranks |")) << result.output;
+}
+
+TEST(MnistJob, RunsUnderTorchrun) {
+  if (run_process({"/usr/bin/python3", "-c", "import torch"}).exit_code != 0) {
+    GTEST_SKIP() << "python3-torch is not installed: no torchrun here";
+  }
+  std::vector<std::string> args{"/usr/bin/python3",
+                                std::string(LOCKSTEP_SOURCE_DIR) + "/tests/support/torchrun.py",
+                                "--nproc_per_node", "2", "--master_port",
+                                std::to_string(free_port()), "--no_python"};
+  auto command = job({});
+  args.insert(args.end(), command.begin(), command.end());
+  auto result = run_process(args);
+  ASSERT_TRUE(result.ok()) << result.output;
+  EXPECT_TRUE(contains(result.output, "| 2 ranks |")) << result.output;
+}
+
+TEST(MnistJob, RunsUnderMpirun) {
+  if (run_process({"sh", "-c", "command -v mpirun"}).exit_code != 0) {
+    GTEST_SKIP() << "openmpi-bin is not installed: no mpirun here";
+  }
+  std::vector<std::string> args{"mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2",
+                                "-x", "MASTER_ADDR=127.0.0.1", "-x",
+                                "MASTER_PORT=" + std::to_string(free_port())};
+  auto command = job({});
+  args.insert(args.end(), command.begin(), command.end());
+  auto result = run_process(args);
+  ASSERT_TRUE(result.ok()) << result.output;
+  EXPECT_TRUE(contains(result.output, "| 2 ranks |")) << result.output;
+}
+
+TEST(MnistJob, MissingDataSaysWhereItLookedAndHowToGetIt) {
+  auto result = run_process({MNIST_TRAIN_BINARY, "--data", "/nonexistent/mnist"},
+                            {{"RANK", ""}, {"WORLD_SIZE", ""}});
+  EXPECT_EQ(result.exit_code, 1);
+  EXPECT_TRUE(contains(result.output, "no MNIST data in /nonexistent/mnist")) << result.output;
+  EXPECT_TRUE(contains(result.output, "Run scripts/setup")) << result.output;
+}
+
+TEST(MnistJob, ResumeAfterAnEpochIsBitwiseExact) {
+  ScratchFolder scratch;
+  auto whole = run_process(under_launcher(
+      {"--nproc-per-node", "2"},
+      job({"--epochs", "2", "--save-parameters", scratch / "uninterrupted.bin"})));
+  ASSERT_TRUE(whole.ok()) << whole.output;
+
+  auto first = run_process(under_launcher(
+      {"--nproc-per-node", "2"},
+      job({"--epochs", "1", "--checkpoint-dir", scratch / "checkpoints"})));
+  ASSERT_TRUE(first.ok()) << first.output;
+  auto second = run_process(under_launcher(
+      {"--nproc-per-node", "2"},
+      job({"--epochs", "2", "--checkpoint-dir", scratch / "checkpoints", "--resume",
+           "--save-parameters", scratch / "resumed.bin"})));
+  ASSERT_TRUE(second.ok()) << second.output;
+  EXPECT_TRUE(contains(second.output, "resumed from")) << second.output;
+
+  auto expected = read_all(scratch / "uninterrupted.bin");
+  ASSERT_FALSE(expected.empty());
+  EXPECT_TRUE(read_all(scratch / "resumed.bin") == expected)
+      << "the resumed run's parameters differ from the uninterrupted run's";
+}
+
+TEST(MnistJob, ARankKilledMidEpochIsRestartedFromTheCheckpoint) {
+  ScratchFolder scratch;
+  auto whole = run_process(under_launcher(
+      {"--nproc-per-node", "2"},
+      job({"--epochs", "2", "--save-parameters", scratch / "uninterrupted.bin"})));
+  ASSERT_TRUE(whole.ok()) << whole.output;
+
+  auto restarted = run_process(
+      under_launcher({"--nproc-per-node", "2", "--max-restarts", "1"},
+                     job({"--epochs", "2", "--checkpoint-dir", scratch / "checkpoints",
+                          "--resume", "--save-parameters", scratch / "restarted.bin"})),
+      {{"LOCKSTEP_MNIST_CRASH", "2:10:1"}, {"LOCKSTEP_TIMEOUT", "30"}});
+  ASSERT_TRUE(restarted.ok()) << restarted.output;
+  EXPECT_TRUE(contains(restarted.output, "rank 1 was killed by signal 9")) << restarted.output;
+  EXPECT_TRUE(contains(restarted.output, "restarting every rank (restart 1 of 1)"));
+  EXPECT_TRUE(contains(restarted.output, "resumed from")) << restarted.output;
+  EXPECT_TRUE(read_all(scratch / "restarted.bin") == read_all(scratch / "uninterrupted.bin"))
+      << "the restarted run's parameters differ from the uninterrupted run's";
+}
+
+} // namespace
+} // namespace lockstep::testing
