@@ -51,6 +51,9 @@ struct LaunchResult {
 /// the body and exits: the code after the call runs only in the parent, and
 /// what the test computed before the call is computed again in each rank
 /// (pass a value that must be the same, like a path, through `environment`).
+/// In a test with several launches, a rank of a later one passes the earlier
+/// ones, which return an empty result there: guard code that reads that
+/// result with `if (!in_rank_process())`.
 LaunchResult launch_ranks(
     const LaunchOptions& options,
     const std::function<void(int rank)>& body);

@@ -1,0 +1,172 @@
+// Checkpoints: a round trip restores everything; every kind of bad file is
+// an error on every rank that says what is wrong; a crash in the middle of
+// a save leaves the previous checkpoint whole.
+
+#include <unistd.h>
+
+#include <fstream>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <lockstep/lockstep.h>
+
+#include "checkpoint/checkpoint_file.h"
+#include "support/expect_error.h"
+#include "support/models.h"
+#include "support/multiprocess.h"
+#include "support/training.h"
+
+namespace lockstep::testing {
+namespace {
+
+// A folder that every rank of a launch names alike.
+std::string shared_folder() {
+  return std::getenv("LOCKSTEP_TEST_FOLDER");
+}
+
+LaunchOptions with_shared_folder(int world_size, const std::string& folder) {
+  LaunchOptions options;
+  options.world_size = world_size;
+  options.environment = [folder](int, RankEnvironment& env) {
+    env["LOCKSTEP_TEST_FOLDER"] = folder;
+  };
+  return options;
+}
+
+std::string make_folder() {
+  char folder[] = "/tmp/lockstep-checkpoint-XXXXXX";
+  return ::mkdtemp(folder);
+}
+
+void train_step(DDP<Mlp>& ddp, torch::optim::Optimizer& optimizer, int step, int rank, int n) {
+  auto [x, y] = global_batch(step, 4 * n, {20});
+  optimizer.zero_grad();
+  torch::mse_loss(ddp(x.narrow(0, 4 * rank, 4)), y.narrow(0, 4 * rank, 4)).backward();
+  optimizer.step();
+}
+
+TEST(Checkpoint, RoundTripRestoresModelOptimizerExtraAndRandomState) {
+  std::string folder = make_folder();
+  auto result = launch_ranks(with_shared_folder(2, folder), [](int rank) {
+    World world = init();
+    for (auto read : {CheckpointRead::EveryRank, CheckpointRead::RankZeroBroadcasts}) {
+      torch::manual_seed(1);
+      Mlp model;
+      DDP<Mlp> ddp(model, world);
+      torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+      train_step(ddp, optimizer, 0, rank, 2);
+      CheckpointExtra extra;
+      extra.epoch = 3;
+      extra.step = 7;
+      extra.values["accuracy"] = 0.875;
+      std::string path = shared_folder() + "/round-trip.pt";
+      save_checkpoint(world, path, *model, optimizer, extra);
+      auto draw = torch::rand({4});
+      train_step(ddp, optimizer, 1, rank, 2);
+      auto expected = flatten(model->parameters());
+
+      train_step(ddp, optimizer, 5, rank, 2); // wander off
+      auto loaded = load_checkpoint(world, path, *model, optimizer, read);
+      EXPECT_EQ(loaded.epoch, 3);
+      EXPECT_EQ(loaded.step, 7);
+      EXPECT_EQ(loaded.values["accuracy"], 0.875);
+      EXPECT_EQ(loaded.world_size, 2);
+      EXPECT_TRUE(torch::rand({4}).equal(draw)) << "random state not restored";
+      // Same parameters and momentum: the same step lands on the same values.
+      train_step(ddp, optimizer, 1, rank, 2);
+      EXPECT_TRUE(flatten(model->parameters()).equal(expected));
+    }
+  });
+  EXPECT_TRUE(result.ok()) << result.report();
+  std::system(("rm -rf " + folder).c_str());
+}
+
+TEST(Checkpoint, BadFilesAreClearErrorsOnEveryRank) {
+  std::string folder = make_folder();
+  auto result = launch_ranks(with_shared_folder(2, folder), [](int) {
+    World world = init();
+    torch::manual_seed(1);
+    Mlp model;
+    torch::optim::SGD optimizer(model->parameters(), 0.1);
+    std::string good = shared_folder() + "/good.pt";
+    save_checkpoint(world, good, *model, optimizer);
+    std::string bytes = detail::read_bytes(good);
+    auto write = [&](const std::string& name, const std::string& content) {
+      std::string path = shared_folder() + "/" + name;
+      if (world.rank() == 0) {
+        std::ofstream(path, std::ios::binary) << content;
+      }
+      world.barrier();
+      return path;
+    };
+    auto expect_load_error = [&](const std::string& path,
+                                 std::initializer_list<std::string> fragments) {
+      expect_error<CheckpointError>(
+          [&] { load_checkpoint(world, path, *model, optimizer); }, fragments);
+    };
+    expect_load_error(shared_folder() + "/missing.pt",
+                      {"loading the checkpoint", "failed on 2 rank(s)",
+                       "cannot read the checkpoint", "missing.pt"});
+    expect_load_error(write("text.pt", "hello"), {"is not a lockstep checkpoint"});
+    expect_load_error(write("truncated.pt", bytes.substr(0, bytes.size() / 2)),
+                      {"truncated.pt is truncated:", "bytes of payload expected"});
+    std::string flipped = bytes;
+    flipped[flipped.size() - 100] ^= 0x5a;
+    expect_load_error(write("corrupted.pt", flipped),
+                      {"corrupted.pt is corrupted: its checksum does not match"});
+
+    Mlp wider(20, 33);
+    torch::optim::SGD wider_optimizer(wider->parameters(), 0.1);
+    expect_error<CheckpointError>(
+        [&] { load_checkpoint(world, good, *wider, wider_optimizer); },
+        {"good.pt was saved from another model: at entry 0 the checkpoint has "
+         "parameter 'fc1.weight': Float [32, 20]",
+         "where this model has parameter 'fc1.weight': Float [33, 20]"});
+    // None of that touched the good one.
+    EXPECT_EQ(detail::read_bytes(good), bytes);
+    load_checkpoint(world, good, *model, optimizer);
+  });
+  EXPECT_TRUE(result.ok()) << result.report();
+  std::system(("rm -rf " + folder).c_str());
+}
+
+TEST(Checkpoint, ACrashDuringASaveLeavesThePreviousOneLoadable) {
+  std::string folder = make_folder();
+  auto crashed = launch_ranks(with_shared_folder(1, folder), [](int) {
+    World world = init();
+    torch::manual_seed(1);
+    Mlp model;
+    torch::optim::SGD optimizer(model->parameters(), 0.1);
+    std::string path = shared_folder() + "/checkpoint.pt";
+    CheckpointExtra first;
+    first.epoch = 1;
+    save_checkpoint(world, path, *model, optimizer, first);
+    detail::set_checkpoint_write_observer([](size_t written, size_t total) {
+      if (written * 2 >= total) {
+        std::_Exit(3); // the machine goes down half-way through the write
+      }
+    });
+    CheckpointExtra second;
+    second.epoch = 2;
+    save_checkpoint(world, path, *model, optimizer, second);
+  });
+  // The rank that runs the next launch passes here too, with no result.
+  if (!in_rank_process()) {
+    ASSERT_EQ(crashed.ranks[0].exit_code, 3) << crashed.report();
+  }
+
+  auto reloaded = launch_ranks(with_shared_folder(1, folder), [](int) {
+    World world = init();
+    torch::manual_seed(1);
+    Mlp model;
+    torch::optim::SGD optimizer(model->parameters(), 0.1);
+    auto extra = load_checkpoint(world, shared_folder() + "/checkpoint.pt", *model, optimizer);
+    EXPECT_EQ(extra.epoch, 1);
+  });
+  EXPECT_TRUE(reloaded.ok()) << reloaded.report();
+  std::system(("rm -rf " + folder).c_str());
+}
+
+} // namespace
+} // namespace lockstep::testing
