@@ -26,12 +26,18 @@ std::vector<std::string> job(std::vector<std::string> flags) {
   return args;
 }
 
+// `launcher` followed by `command`.
+std::vector<std::string> under(std::vector<std::string> launcher,
+                               const std::vector<std::string>& command) {
+  launcher.insert(launcher.end(), command.begin(), command.end());
+  return launcher;
+}
+
 std::vector<std::string> under_launcher(std::vector<std::string> launcher_flags,
                                         const std::vector<std::string>& command) {
   launcher_flags.insert(launcher_flags.begin(), LOCKSTEP_RUN_BINARY);
   launcher_flags.push_back("--");
-  launcher_flags.insert(launcher_flags.end(), command.begin(), command.end());
-  return launcher_flags;
+  return under(launcher_flags, command);
 }
 
 bool contains(const std::string& text, const std::string& part) {
@@ -72,13 +78,10 @@ TEST(MnistJob, RunsUnderTorchrun) {
   if (run_process({"/usr/bin/python3", "-c", "import torch"}).exit_code != 0) {
     GTEST_SKIP() << "python3-torch is not installed: no torchrun here";
   }
-  std::vector<std::string> args{"/usr/bin/python3",
-                                std::string(LOCKSTEP_SOURCE_DIR) + "/tests/support/torchrun.py",
-                                "--nproc_per_node", "2", "--master_port",
-                                std::to_string(free_port()), "--no_python"};
-  auto command = job({});
-  args.insert(args.end(), command.begin(), command.end());
-  auto result = run_process(args);
+  auto result = run_process(under(
+      {"/usr/bin/python3", std::string(LOCKSTEP_SOURCE_DIR) + "/tests/support/torchrun.py",
+       "--nproc_per_node", "2", "--master_port", std::to_string(free_port()), "--no_python"},
+      job({})));
   ASSERT_TRUE(result.ok()) << result.output;
   EXPECT_TRUE(contains(result.output, "| 2 ranks |")) << result.output;
 }
@@ -87,12 +90,10 @@ TEST(MnistJob, RunsUnderMpirun) {
   if (run_process({"sh", "-c", "command -v mpirun"}).exit_code != 0) {
     GTEST_SKIP() << "openmpi-bin is not installed: no mpirun here";
   }
-  std::vector<std::string> args{"mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2",
-                                "-x", "MASTER_ADDR=127.0.0.1", "-x",
-                                "MASTER_PORT=" + std::to_string(free_port())};
-  auto command = job({});
-  args.insert(args.end(), command.begin(), command.end());
-  auto result = run_process(args);
+  auto result = run_process(under(
+      {"mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x",
+       "MASTER_ADDR=127.0.0.1", "-x", "MASTER_PORT=" + std::to_string(free_port())},
+      job({})));
   ASSERT_TRUE(result.ok()) << result.output;
   EXPECT_TRUE(contains(result.output, "| 2 ranks |")) << result.output;
 }

@@ -91,8 +91,18 @@ void spawn(Rank& rank, const RunOptions& options, int local, int attempt, int po
   if (::pipe2(pipe_fds, O_CLOEXEC) != 0) {
     throw std::runtime_error("pipe failed");
   }
+  // Until the child has restored the default handlers, a SIGTERM meant for
+  // it would run our handler there and look like one sent to us.
+  sigset_t forwarded, previous;
+  ::sigemptyset(&forwarded);
+  ::sigaddset(&forwarded, SIGINT);
+  ::sigaddset(&forwarded, SIGTERM);
+  ::sigprocmask(SIG_BLOCK, &forwarded, &previous);
   rank.pid = ::fork();
   if (rank.pid == 0) {
+    ::signal(SIGINT, SIG_DFL);
+    ::signal(SIGTERM, SIG_DFL);
+    ::sigprocmask(SIG_SETMASK, &previous, nullptr);
     // A rank dies with its launcher: killing a node's launcher stops that
     // node's part of the job instead of leaving orphans.
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
@@ -100,14 +110,13 @@ void spawn(Rank& rank, const RunOptions& options, int local, int attempt, int po
     ::setpgid(0, 0);
     ::dup2(pipe_fds[1], STDOUT_FILENO);
     ::dup2(pipe_fds[1], STDERR_FILENO);
-    ::signal(SIGINT, SIG_DFL);
-    ::signal(SIGTERM, SIG_DFL);
     ::execvpe(argv[0], argv.data(), envp.data());
     std::string message = "lockstep-run: cannot run " + args[0] + ": " +
         std::strerror(errno) + "\n";
     [[maybe_unused]] auto written = ::write(STDERR_FILENO, message.data(), message.size());
     ::_exit(127);
   }
+  ::sigprocmask(SIG_SETMASK, &previous, nullptr);
   ::setpgid(rank.pid, rank.pid);
   ::close(pipe_fds[1]);
   // Never blocks: a process that a rank left behind may hold the pipe open.

@@ -1,0 +1,99 @@
+#pragma once
+
+// The reducer's state, shared by its two halves: reducer.cpp (construction,
+// bucket layout, forward) and backward.cpp (hooks, launches, the end of
+// backward).
+
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <lockstep/detail/reducer.h>
+
+#include "reducer/bucket.h"
+
+namespace torch::autograd {
+struct Node;
+} // namespace torch::autograd
+
+namespace lockstep::detail {
+
+using Clock = std::chrono::steady_clock;
+
+inline double ms_between(Clock::time_point from, Clock::time_point to) {
+  return std::chrono::duration<double, std::milli>(to - from).count();
+}
+
+struct Reducer::State : std::enable_shared_from_this<State> {
+  State(World world_in, DdpOptions options_in)
+      : world(std::move(world_in)), options(options_in) {}
+
+  World world;
+  DdpOptions options;
+
+  // Trainable parameters, each once, in registration order.
+  std::vector<std::string> names;
+  std::vector<at::Tensor> params;
+  // Kept alive: a parameter only holds a weak reference to its accumulator,
+  // and a new one, without our hook, would replace it.
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
+  std::vector<at::Tensor> buffers;
+  std::vector<int64_t> buffer_versions; // as of the last broadcast
+
+  std::vector<Bucket> buckets;
+  std::vector<size_t> bucket_of;
+  std::vector<size_t> slot_of;
+
+  mutable std::mutex mutex;
+  bool sync_enabled = true;
+
+  // Set by a forward through the wrapper, consumed by the next backward.
+  bool forward_seen = false;
+  bool sync_at_forward = true;
+  std::optional<std::vector<size_t>> unused_at_forward;
+  Clock::time_point forward_start;
+  Clock::time_point forward_end;
+
+  // The backward in progress.
+  bool iteration_open = false;
+  bool iteration_sync = false;
+  Clock::time_point first_gradient;
+  std::vector<char> ready;
+  std::vector<char> used_now;
+  std::vector<size_t> ready_order;
+  std::vector<size_t> pending;
+  size_t next_launch = 0;
+  std::vector<std::optional<PendingCollective>> in_flight;
+  std::vector<double> launch_ms;
+  std::vector<std::string> problems;
+
+  // Across iterations.
+  std::vector<char> used_since_sync;
+  bool buffers_need_broadcast = false;
+  bool rebuilt = false;
+  std::optional<std::vector<char>> static_used;
+  bool warned_bypass = false;
+  int64_t iteration = 0; // synchronised backward passes begun
+  DdpStats stats;
+
+  void install_hooks();
+  void layout_buckets(const std::vector<size_t>& order);
+  std::vector<size_t> reverse_registration_order() const;
+
+  void on_gradient(size_t index);
+  void open_iteration();
+  void mark_ready(size_t index, bool used);
+  void launch_ready_buckets(bool include_last);
+  void finalize();
+  void raise_problems_everywhere(int64_t ranks_with_problems);
+  void write_back(const std::vector<double>& global_flags);
+  void rebuild_buckets();
+  bool buffers_changed_locally() const;
+  void broadcast_buffers();
+  std::string describe_bucket(size_t bucket) const;
+};
+
+} // namespace lockstep::detail
