@@ -205,6 +205,51 @@ TEST_P(Behaviour, StatsDescribeTheIterations) {
   });
 }
 
+LaunchResult run_with_debug(const std::string& level) {
+  LaunchOptions options;
+  options.world_size = 2;
+  options.environment = [level](int, RankEnvironment& env) { env["LOCKSTEP_DEBUG"] = level; };
+  return launch_ranks(options, [](int rank) {
+    World world = init();
+    torch::manual_seed(2);
+    Branchy model;
+    if (std::string(std::getenv("LOCKSTEP_DEBUG")) == "LOUD") {
+      expect_error<ConfigError>([&] { DDP<Branchy> ddp(model, world); },
+                                {"LOCKSTEP_DEBUG='LOUD' is not a debug level; use OFF, "
+                                 "INFO or DETAIL."});
+      return;
+    }
+    DDP<Branchy> ddp(model, world);
+    for (int step = 0; step < 3; ++step) {
+      auto [x, y] = global_batch(step, 8, {20});
+      model->zero_grad();
+      torch::mse_loss(ddp(x.narrow(0, 4 * rank, 4), rank + step), y.narrow(0, 4 * rank, 4))
+          .backward();
+    }
+  });
+}
+
+TEST(DdpDebug, InfoLogsTheLayoutAndTheUnusedParameters) {
+  auto result = run_with_debug("INFO");
+  ASSERT_TRUE(result.ok()) << result.report();
+  const auto& log = result.ranks[1].output;
+  for (const char* line :
+       {"lockstep INFO rank 1: bucket layout at construction, in reverse registration order",
+        "lockstep INFO rank 1: bucket layout rebuilt in the order gradients became ready",
+        "  bucket 0 (",
+        "iteration 1: parameters without a gradient here: head_a.weight, head_a.bias, "
+        "head_c.weight, head_c.bias",
+        "iteration 2: parameters without a gradient here: head_a.weight, head_a.bias, "
+        "head_b.weight, head_b.bias"}) {
+    EXPECT_NE(log.find(line), std::string::npos) << "missing: " << line << "\n" << log;
+  }
+}
+
+TEST(DdpDebug, AnUnknownLevelIsAConfigError) {
+  auto result = run_with_debug("LOUD");
+  EXPECT_TRUE(result.ok()) << result.report();
+}
+
 TEST(DdpOverlap, FirstBucketLeavesBeforeBackwardEnds) {
   run_ranks(2, [](int rank) {
     World world = init();

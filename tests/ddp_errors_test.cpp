@@ -136,6 +136,42 @@ TEST_P(DdpErrors, BypassAsAnError) {
   });
 }
 
+TEST_P(DdpErrors, ADivergedReplicaIsNamed) {
+  run_ranks(GetParam(), [](int rank) {
+    World world = init();
+    int last = world.size() - 1;
+    std::string on_last = "on rank " + std::to_string(last) + " differs from rank 0's";
+    torch::manual_seed(9);
+    Mlp model;
+    DDP<Mlp> ddp(model, world);
+    torch::optim::SGD optimizer(model->parameters(), 0.1);
+    auto [x, y] = global_batch(0, 4 * world.size(), {20});
+    auto shard = x.narrow(0, 4 * rank, 4);
+    auto target = y.narrow(0, 4 * rank, 4);
+    torch::mse_loss(ddp(shard), target).backward();
+    optimizer.step();
+    ddp.check_replicas(); // identical so far
+    if (rank == last) {
+      torch::NoGradGuard no_grad;
+      model->fc2->weight[0][1] += 1e-3; // outside the optimizer
+    }
+    expect_error<UsageError>([&] { ddp.check_replicas(); },
+                             {"the replicas diverged: 'fc2.weight' " + on_last,
+                              "outside the optimizer step"});
+
+    torch::manual_seed(9);
+    Mlp checked;
+    DDP<Mlp> verified(checked, world, DdpOptions().verify_every(1));
+    torch::mse_loss(verified(shard), target).backward();
+    if (rank == last) {
+      torch::NoGradGuard no_grad;
+      checked->fc3->bias[2] -= 1e-3;
+    }
+    expect_error<UsageError>([&] { verified(shard); },
+                             {"the replicas diverged: 'fc3.bias' " + on_last});
+  });
+}
+
 TEST(DdpErrorsAtConstruction, SparseGradientsAreRejected) {
   run_ranks(2, [](int) {
     World world = init();

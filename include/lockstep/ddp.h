@@ -155,6 +155,14 @@ class DistributedDataParallel {
     return reducer_->stats();
   }
 
+  /// Collective: checks, with one small all-gather of per-tensor checksums,
+  /// that every rank holds bit-identical parameters and buffers; raises
+  /// lockstep::UsageError naming the first tensor that differs and the ranks
+  /// that hold other values. DdpOptions::verify_every runs it periodically.
+  void check_replicas() {
+    reducer_->check_replicas();
+  }
+
  private:
   ModuleType module_;
   std::shared_ptr<detail::Reducer> reducer_;

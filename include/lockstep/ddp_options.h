@@ -1,5 +1,8 @@
 #pragma once
 
+#include <cstdint>
+#include <optional>
+
 #include <torch/arg.h>
 
 namespace lockstep {
@@ -29,6 +32,17 @@ enum class Bypass {
   Ignore,
 };
 
+/// How much DistributedDataParallel tells on stderr.
+enum class DebugLevel {
+  Off,
+  /// The bucket layout at construction and after its rebuild, and the
+  /// parameters unused on this rank in each iteration where they change.
+  Info,
+  /// Info, plus (planned) a cross-rank fingerprint before every collective.
+  /// Today the same as Info.
+  Detail,
+};
+
 /// How DistributedDataParallel synchronises a module. Every field has the
 /// default that suits most models; docs/ddp.md compares each with PyTorch.
 struct DdpOptions {
@@ -52,6 +66,12 @@ struct DdpOptions {
   TORCH_ARG(BufferSync, broadcast_buffers) = BufferSync::WhenChanged;
   /// What a backward that bypassed the wrapper does.
   TORCH_ARG(Bypass, bypass) = Bypass::SyncAndWarn;
+  /// Check every N forwards that all replicas still hold the same
+  /// parameters and buffers (DistributedDataParallel::check_replicas); 0
+  /// never checks.
+  TORCH_ARG(int64_t, verify_every) = 0;
+  /// Unset: LOCKSTEP_DEBUG (OFF, INFO or DETAIL), else Off.
+  TORCH_ARG(std::optional<DebugLevel>, debug);
 };
 
 } // namespace lockstep

@@ -215,8 +215,18 @@ void Reducer::State::finalize() {
       stats.unused_parameters.push_back(names[index]);
     }
   }
+  if (info && (iteration == 1 || stats.unused_parameters != last_unused)) {
+    std::string list;
+    for (const auto& name : stats.unused_parameters) {
+      list += (list.empty() ? "" : ", ") + name;
+    }
+    log(str("iteration ", iteration, ": parameters without a gradient here: ",
+            list.empty() ? "none" : list));
+    last_unused = stats.unused_parameters;
+  }
   if (!rebuilt) {
     rebuild_buckets();
+    log_layout("rebuilt in the order gradients became ready");
   }
   if (options.static_graph() && !static_used) {
     static_used = used_now;

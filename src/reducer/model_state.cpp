@@ -1,6 +1,8 @@
 #include "reducer/model_state.h"
 
+#include <cstring>
 #include <map>
+#include <tuple>
 #include <unordered_set>
 #include <sstream>
 
@@ -109,6 +111,56 @@ void check_same_model(
                "names and dtypes) before wrapping it in "
                "DistributedDataParallel.";
     LOCKSTEP_FAIL(UsageError, message.str());
+  }
+}
+
+namespace {
+
+// Two checksums of a tensor's bytes: a plain and a position-weighted sum of
+// its 32-bit words (wrapping), so that a changed or moved element shows.
+std::pair<int64_t, int64_t> checksum(const at::Tensor& tensor) {
+  auto bytes = tensor.detach().contiguous().view({-1}).view(at::kByte);
+  const auto* data = bytes.data_ptr<uint8_t>();
+  int64_t size = bytes.numel();
+  uint64_t plain = 0;
+  uint64_t weighted = 0;
+  uint64_t position = 1;
+  int64_t i = 0;
+  for (; i + 4 <= size; i += 4, ++position) {
+    uint32_t word;
+    std::memcpy(&word, data + i, 4);
+    plain += word;
+    weighted += word * position;
+  }
+  for (; i < size; ++i, ++position) {
+    plain += data[i];
+    weighted += data[i] * position;
+  }
+  return {static_cast<int64_t>(plain), static_cast<int64_t>(weighted)};
+}
+
+} // namespace
+
+void check_replicas_agree(World& world, const std::vector<NamedTensor>& state) {
+  auto mine = at::empty({static_cast<int64_t>(state.size()), 2}, at::kLong);
+  auto* sums = mine.data_ptr<int64_t>();
+  for (size_t i = 0; i < state.size(); ++i) {
+    std::tie(sums[2 * i], sums[2 * i + 1]) = checksum(state[i].tensor);
+  }
+  auto all = world.all_gather(mine);
+  for (size_t i = 0; i < state.size(); ++i) {
+    std::vector<int> differing;
+    for (int rank = 1; rank < world.size(); ++rank) {
+      if (!all[rank][static_cast<int64_t>(i)].equal(all[0][static_cast<int64_t>(i)])) {
+        differing.push_back(rank);
+      }
+    }
+    LOCKSTEP_ENFORCE(
+        differing.empty(), UsageError, "the replicas diverged: '",
+        state[i].name, "' on ", ranks_text(differing),
+        " differs from rank 0's. Something changed it outside the optimizer "
+        "step on some ranks (a manual edit, a rank-dependent update, a load "
+        "on one rank only).");
   }
 }
 

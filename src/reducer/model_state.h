@@ -41,6 +41,10 @@ void check_same_model(
     const std::vector<NamedTensor>& parameters,
     const std::vector<NamedTensor>& buffers);
 
+/// Raises, on every rank, a UsageError naming the first of `state` whose
+/// bytes differ between ranks (two 64-bit checksums per tensor, gathered).
+void check_replicas_agree(World& world, const std::vector<NamedTensor>& state);
+
 /// Overwrites `tensors` on every rank with rank 0's values, in one
 /// broadcast per dtype.
 void broadcast_from_rank0(World& world, const std::vector<at::Tensor>& tensors);

@@ -1,6 +1,8 @@
 #include <lockstep/detail/reducer.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <iostream>
 #include <sstream>
 
 #include <ATen/ATen.h>
@@ -44,7 +46,26 @@ void reject_sparse_gradients(torch::nn::Module& module) {
   }
 }
 
+DebugLevel resolve_debug_level(const DdpOptions& options) {
+  if (options.debug()) {
+    return *options.debug();
+  }
+  const char* text = std::getenv("LOCKSTEP_DEBUG");
+  std::string level = text ? text : "OFF";
+  if (level == "OFF" || level.empty()) {
+    return DebugLevel::Off;
+  }
+  if (level == "INFO") {
+    return DebugLevel::Info;
+  }
+  LOCKSTEP_ENFORCE(
+      level == "DETAIL", ConfigError, "LOCKSTEP_DEBUG='", level,
+      "' is not a debug level; use OFF, INFO or DETAIL.");
+  return DebugLevel::Detail;
+}
+
 } // namespace
+
 Reducer::Reducer(torch::nn::Module& module, World world, DdpOptions options)
     : state_(std::make_shared<State>(std::move(world), options)) {
   auto& state = *state_;
@@ -54,6 +75,7 @@ Reducer::Reducer(torch::nn::Module& module, World world, DdpOptions options)
       options.bucket_cap_mb(), ", first_bucket_cap_mb=",
       options.first_bucket_cap_mb(), ").");
   reject_sparse_gradients(module);
+  state.info = resolve_debug_level(options) != DebugLevel::Off;
 
   std::vector<NamedTensor> all_params;
   std::vector<NamedTensor> all_buffers;
@@ -72,6 +94,8 @@ Reducer::Reducer(torch::nn::Module& module, World world, DdpOptions options)
   }
 
   check_same_model(state.world, all_params, all_buffers);
+  state.replica_state = all_params;
+  state.replica_state.insert(state.replica_state.end(), all_buffers.begin(), all_buffers.end());
   broadcast_from_rank0(state.world, module_state);
   for (const auto& buffer : state.buffers) {
     state.buffer_versions.push_back(buffer._version());
@@ -79,6 +103,7 @@ Reducer::Reducer(torch::nn::Module& module, World world, DdpOptions options)
 
   state.used_since_sync.assign(state.params.size(), 0);
   state.layout_buckets(state.reverse_registration_order());
+  state.log_layout("at construction, in reverse registration order");
   state.install_hooks();
 }
 
@@ -149,6 +174,27 @@ void Reducer::State::layout_buckets(const std::vector<size_t>& order) {
   }
 }
 
+void Reducer::State::log(const std::string& message) const {
+  if (info) {
+    std::cerr << "lockstep INFO rank " << world.rank() << ": " << message << std::endl;
+  }
+}
+
+void Reducer::State::log_layout(const std::string& when) const {
+  if (!info) {
+    return;
+  }
+  std::ostringstream out;
+  out << "bucket layout " << when << ": " << buckets.size() << " bucket(s)";
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    out << "\n  bucket " << b << " (" << mib(buckets[b].bytes()) << "):";
+    for (size_t index : buckets[b].members()) {
+      out << " " << names[index];
+    }
+  }
+  log(out.str());
+}
+
 std::string Reducer::State::describe_bucket(size_t b) const {
   std::ostringstream out;
   out << "bucket " << b << " of iteration " << iteration << " (";
@@ -188,6 +234,20 @@ void Reducer::before_forward() {
     state.broadcast_buffers();
   }
   state.buffers_need_broadcast = false;
+  ++state.forwards;
+  if (state.options.verify_every() > 0 &&
+      state.forwards % state.options.verify_every() == 0) {
+    state.check_replicas();
+  }
+}
+
+void Reducer::check_replicas() {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  state_->check_replicas();
+}
+
+void Reducer::State::check_replicas() {
+  check_replicas_agree(world, replica_state);
 }
 
 void Reducer::State::broadcast_buffers() {

@@ -14,6 +14,7 @@
 #include <lockstep/detail/reducer.h>
 
 #include "reducer/bucket.h"
+#include "reducer/model_state.h"
 
 namespace torch::autograd {
 struct Node;
@@ -33,6 +34,7 @@ struct Reducer::State : std::enable_shared_from_this<State> {
 
   World world;
   DdpOptions options;
+  bool info = false; // DebugLevel Info or Detail
 
   // Trainable parameters, each once, in registration order.
   std::vector<std::string> names;
@@ -42,6 +44,9 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
   std::vector<at::Tensor> buffers;
   std::vector<int64_t> buffer_versions; // as of the last broadcast
+  // Everything the replicas must agree on, for check_replicas.
+  std::vector<NamedTensor> replica_state;
+  int64_t forwards = 0;
 
   std::vector<Bucket> buckets;
   std::vector<size_t> bucket_of;
@@ -93,7 +98,11 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   void rebuild_buckets();
   bool buffers_changed_locally() const;
   void broadcast_buffers();
+  void check_replicas();
   std::string describe_bucket(size_t bucket) const;
+  void log_layout(const std::string& when) const;
+  void log(const std::string& message) const;
+  std::vector<std::string> last_unused; // for Info: log only changes
 };
 
 } // namespace lockstep::detail

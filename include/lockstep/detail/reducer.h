@@ -40,6 +40,10 @@ class Reducer {
 
   DdpStats stats() const;
 
+  /// Collective: raises UsageError naming the first parameter or buffer
+  /// whose bytes differ between ranks, and the ranks that differ.
+  void check_replicas();
+
   struct State;
 
  private:
