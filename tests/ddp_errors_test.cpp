@@ -172,6 +172,38 @@ TEST_P(DdpErrors, ADivergedReplicaIsNamed) {
   });
 }
 
+TEST(DdpDetail, ARankThatSkipsABackwardIsAnErrorNotAHang) {
+  LaunchOptions options;
+  options.world_size = 2;
+  options.environment = [](int, RankEnvironment& env) {
+    env["LOCKSTEP_DEBUG"] = "DETAIL";
+    env["LOCKSTEP_TIMEOUT"] = "10";
+  };
+  auto result = launch_ranks(options, [](int rank) {
+    World world = init();
+    torch::manual_seed(3);
+    ConstantBufferMlp model;
+    DDP<ConstantBufferMlp> ddp(model, world, DdpOptions().broadcast_buffers(BufferSync::Always));
+    auto [x, y] = global_batch(0, 8, {20});
+    auto step = [&] {
+      return torch::mse_loss(ddp(x.narrow(0, 4 * rank, 4)), y.narrow(0, 4 * rank, 4));
+    };
+    step().backward();
+    std::vector<std::string> fragments{"the ranks are out of step at collective #",
+                                       "rank 0 is doing all_reduce of bucket 0 of iteration 2",
+                                       "rank 1 is doing broadcast from rank 0",
+                                       "Every rank must run the same forwards and backwards"};
+    if (rank == 0) {
+      auto loss = step();
+      expect_error<CollectiveError>([&] { loss.backward(); }, fragments);
+    } else {
+      step(); // no backward here...
+      expect_error<CollectiveError>([&] { step(); }, fragments);
+    }
+  });
+  EXPECT_TRUE(result.ok()) << result.report();
+}
+
 TEST(DdpErrorsAtConstruction, SparseGradientsAreRejected) {
   run_ranks(2, [](int) {
     World world = init();

@@ -38,8 +38,9 @@ enum class DebugLevel {
   /// The bucket layout at construction and after its rebuild, and the
   /// parameters unused on this rank in each iteration where they change.
   Info,
-  /// Info, plus (planned) a cross-rank fingerprint before every collective.
-  /// Today the same as Info.
+  /// Info, and (set through LOCKSTEP_DEBUG=DETAIL, which World reads)
+  /// before every collective the ranks compare, through the store, what each
+  /// is about to do: a mismatch is an error naming both sides.
   Detail,
 };
 

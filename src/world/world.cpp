@@ -6,9 +6,11 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <atomic>
+#include <cstdlib>
 #include <mutex>
 #include <sstream>
 
+#include "world/ledger.h"
 #include "world/rendezvous.h"
 #include "world/resolve.h"
 #include "world/torch_compat.h"
@@ -21,9 +23,21 @@ struct World::Impl {
   c10::intrusive_ptr<c10d::ProcessGroup> cpu_group;
   std::mutex cuda_group_mutex;
   c10::intrusive_ptr<c10d::ProcessGroup> cuda_group;
-  // Numbers the collectives issued through World, for error messages.
+  // Numbers the collectives issued through World: the same sequence on
+  // every rank, since every rank must issue the same collectives.
   std::atomic<uint64_t> collective_count{0};
+  std::unique_ptr<detail::Ledger> ledger;
   uint64_t string_gather_count = 0;
+
+  /// Numbers the next collective and records, in the ledger, that this rank
+  /// reached it.
+  uint64_t begin(const std::string& what) {
+    uint64_t seq = ++collective_count;
+    if (ledger) {
+      ledger->arrive(seq, what);
+    }
+    return seq;
+  }
 
   detail::GroupOptions group_options() const {
     detail::GroupOptions options;
@@ -46,11 +60,15 @@ std::string describe(const at::Tensor& tensor) {
 }
 
 // Waits for one collective and turns the backend's failures into errors
-// that name the rank and the operation.
+// that name the rank, the operation and, for a timeout, the ranks that never
+// reached it.
 void complete(
-    const detail::WorldConfig& config,
-    const std::string& what,
+    World::Impl& impl,
+    uint64_t seq,
+    const std::string& operation,
     c10d::Work& work) {
+  const auto& config = impl.config;
+  std::string what = detail::str(operation, " #", seq);
   try {
     detail::wait_work(work, config.timeout);
   } catch (const std::exception& e) {
@@ -58,11 +76,11 @@ void complete(
     if (cause.find("imed out") != std::string::npos) {
       LOCKSTEP_FAIL(
           TimeoutError, "rank ", config.rank, ": ", what,
-          " did not complete within ", config.timeout.count() / 1000.0,
-          " s: another rank is not taking part (it may have stopped, or be "
-          "running a different collective). Raise the limit with "
-          "LOCKSTEP_TIMEOUT (seconds) if it is only slow.\n  cause: ",
-          cause);
+          " did not complete within ", config.timeout.count() / 1000.0, " s: ",
+          impl.ledger ? impl.ledger->attendance(seq) : std::string("a peer is not taking part"),
+          ". A rank that stopped, or runs a different collective, leaves the "
+          "others waiting; raise the limit with LOCKSTEP_TIMEOUT (seconds) "
+          "if it is only slow.\n  cause: ", cause);
     }
     LOCKSTEP_FAIL(
         CollectiveError, "rank ", config.rank, ": ", what,
@@ -71,18 +89,20 @@ void complete(
   }
 }
 
-void complete(
-    World::Impl& impl,
-    const std::string& operation,
-    const c10::intrusive_ptr<c10d::Work>& work) {
-  complete(impl.config,
-           detail::str(operation, " #", ++impl.collective_count), *work);
+// Starts a collective with `start` once this rank's arrival is recorded,
+// and completes it.
+template <typename Start>
+void run_collective(World::Impl& impl, const std::string& operation, Start start) {
+  uint64_t seq = impl.begin(operation);
+  auto work = start();
+  complete(impl, seq, operation, *work);
 }
 
 } // namespace
 
 struct PendingCollective::State {
   std::shared_ptr<World::Impl> world;
+  uint64_t seq = 0;
   std::string what;
   c10::intrusive_ptr<c10d::Work> work;
   at::Tensor tensor;
@@ -100,7 +120,7 @@ void PendingCollective::wait() {
     return;
   }
   state.done = true;
-  complete(state.world->config, state.what, *state.work);
+  complete(*state.world, state.seq, state.what, *state.work);
   if (!state.travelling.is_same(state.tensor)) {
     state.tensor.copy_(state.travelling);
   }
@@ -156,17 +176,18 @@ c10::intrusive_ptr<c10d::ProcessGroup> World::process_group(
 }
 
 void World::barrier() {
-  complete(*impl_, "barrier", detail::start_barrier(*impl_->cpu_group));
+  run_collective(*impl_, "barrier", [&] { return detail::start_barrier(*impl_->cpu_group); });
 }
 
 void World::broadcast(at::Tensor& tensor, int root) {
   LOCKSTEP_ENFORCE(
       root >= 0 && root < size(), CollectiveError, "broadcast root ", root,
       " is not a rank of this world of size ", size(), ".");
-  complete(
-      *impl_, detail::str("broadcast from rank ", root, " of ", describe(tensor)),
-      detail::start_broadcast(*process_group(tensor.device()),
-                              detail::bitwise_view(tensor), root));
+  run_collective(
+      *impl_, detail::str("broadcast from rank ", root, " of ", describe(tensor)), [&] {
+        return detail::start_broadcast(*process_group(tensor.device()),
+                                       detail::bitwise_view(tensor), root);
+      });
 }
 
 void World::all_reduce(at::Tensor& tensor, ReduceOp op) {
@@ -178,7 +199,8 @@ PendingCollective World::all_reduce_async(
     at::Tensor tensor, ReduceOp op, std::string description) {
   auto state = std::make_shared<PendingCollective::State>();
   state->world = impl_;
-  state->what = detail::str(description, " #", ++impl_->collective_count);
+  state->what = description;
+  state->seq = impl_->begin(description);
   state->tensor = tensor;
   state->op = op;
   auto travelling_type = detail::reduction_type(tensor);
@@ -198,9 +220,9 @@ std::vector<at::Tensor> World::all_gather(const at::Tensor& tensor) {
     travelling.push_back(detail::bitwise_view(outputs.back()));
   }
   auto input = detail::bitwise_view(tensor.contiguous());
-  complete(
-      *impl_, detail::str("all_gather of ", describe(tensor)),
-      detail::start_all_gather(*process_group(tensor.device()), travelling, input));
+  run_collective(*impl_, detail::str("all_gather of ", describe(tensor)), [&] {
+    return detail::start_all_gather(*process_group(tensor.device()), travelling, input);
+  });
   return outputs;
 }
 
@@ -238,6 +260,11 @@ World init(const WorldOptions& options) {
   impl->store = detail::connect_store(impl->config);
   if (impl->config.size > 1) {
     detail::join(impl->store, impl->config);
+    const char* debug = std::getenv("LOCKSTEP_DEBUG");
+    impl->ledger = std::make_unique<detail::Ledger>(
+        c10::make_intrusive<c10d::PrefixStore>("ledger", impl->store),
+        impl->config.rank, impl->config.size, impl->config.timeout,
+        /*compare=*/debug != nullptr && std::string(debug) == "DETAIL");
   }
   auto gloo_store = c10::make_intrusive<c10d::PrefixStore>("gloo/", impl->store);
   impl->cpu_group = detail::make_gloo_group(gloo_store, impl->group_options());

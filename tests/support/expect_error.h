@@ -4,7 +4,7 @@
 // checks what the user reads, not only that something was thrown.
 
 #include <functional>
-#include <initializer_list>
+#include <vector>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -16,7 +16,7 @@ namespace lockstep::testing {
 template <typename ErrorType>
 std::string expect_error(
     const std::function<void()>& action,
-    std::initializer_list<std::string> fragments) {
+    const std::vector<std::string>& fragments) {
   try {
     action();
   } catch (const ErrorType& e) {

@@ -1,0 +1,95 @@
+#include "world/ledger.h"
+
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <lockstep/error.h>
+
+#include "world/torch_compat.h"
+
+namespace lockstep::detail {
+namespace {
+
+// Records older than this many collectives are removed: enough for every
+// bucket of an iteration to be in flight at once.
+constexpr uint64_t kKept = 64;
+
+std::string list(const std::vector<int>& ranks) {
+  std::string out;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    out += (i == 0 ? "" : ", ") + std::to_string(ranks[i]);
+  }
+  return out.empty() ? "none" : out;
+}
+
+} // namespace
+
+Ledger::Ledger(c10::intrusive_ptr<c10d::Store> store,
+               int rank,
+               int size,
+               std::chrono::milliseconds timeout,
+               bool compare)
+    : store_(std::move(store)),
+      rank_(rank),
+      size_(size),
+      timeout_(timeout),
+      compare_(compare) {}
+
+std::string Ledger::key(uint64_t seq, int rank) const {
+  return "arrived/" + std::to_string(seq) + "/" + std::to_string(rank);
+}
+
+void Ledger::arrive(uint64_t seq, const std::string& what) {
+  if (size_ == 1) {
+    return;
+  }
+  store_->set(key(seq, rank_), {what.begin(), what.end()});
+  if (seq > kKept) {
+    store_->deleteKey(key(seq - kKept, rank_));
+  }
+  if (!compare_) {
+    return;
+  }
+  for (int rank = 0; rank < size_; ++rank) {
+    if (rank == rank_) {
+      continue;
+    }
+    try {
+      store_->wait({key(seq, rank)}, timeout_);
+    } catch (const std::exception& e) {
+      LOCKSTEP_FAIL(
+          TimeoutError, "rank ", rank_, ": collective #", seq, " (", what,
+          ") never started: ", attendance(seq), " within ",
+          timeout_.count() / 1000.0, " s. A rank that skips a forward or a "
+          "backward the others run leaves them waiting.");
+    }
+    auto bytes = store_->get(key(seq, rank));
+    std::string theirs(bytes.begin(), bytes.end());
+    LOCKSTEP_ENFORCE(
+        theirs == what, CollectiveError, "the ranks are out of step at "
+        "collective #", seq, ": rank ", rank, " is doing ", theirs,
+        " while rank ", rank_, " is doing ", what, ". Every rank must run "
+        "the same forwards and backwards in the same order.");
+  }
+}
+
+std::string Ledger::attendance(uint64_t seq) const {
+  std::vector<int> came;
+  std::vector<int> missing;
+  for (int rank = 0; rank < size_; ++rank) {
+    bool arrived = false;
+    try {
+      arrived = store_->check({key(seq, rank)});
+    } catch (const std::exception&) {
+      // The store is gone with rank 0: nothing more to learn.
+    }
+    (arrived ? came : missing).push_back(rank);
+  }
+  if (missing.empty()) {
+    return "every rank reached it (the transport itself is stuck or slow)";
+  }
+  return "rank(s) " + list(missing) + " never reached it (reached: " + list(came) + ")";
+}
+
+} // namespace lockstep::detail
