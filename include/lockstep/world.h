@@ -64,7 +64,9 @@ class World {
   /// Every collective below waits at most timeout() and raises TimeoutError
   /// (naming the rank and the operation) past it.
   void barrier();
-  void broadcast(at::Tensor& tensor, int root = 0);
+  /// `description` names the operation in errors; by default "broadcast
+  /// from rank R of <dtype> <shape>".
+  void broadcast(at::Tensor& tensor, int root = 0, const std::string& description = "");
   void all_reduce(at::Tensor& tensor, ReduceOp op = ReduceOp::Sum);
   /// Starts an all-reduce that runs while the caller goes on. `description`
   /// names the operation in errors (for example "bucket 2 (fc.weight)").

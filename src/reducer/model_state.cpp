@@ -164,7 +164,8 @@ void check_replicas_agree(World& world, const std::vector<NamedTensor>& state) {
   }
 }
 
-void broadcast_from_rank0(World& world, const std::vector<at::Tensor>& tensors) {
+void broadcast_from_rank0(
+    World& world, const std::vector<at::Tensor>& tensors, const std::string& what) {
   at::NoGradGuard no_grad;
   std::map<std::pair<int, std::string>, std::vector<at::Tensor>> groups;
   for (const auto& tensor : tensors) {
@@ -177,7 +178,10 @@ void broadcast_from_rank0(World& world, const std::vector<at::Tensor>& tensors) 
       flat_parts.push_back(tensor.detach().reshape({-1}));
     }
     auto flat = at::cat(flat_parts);
-    world.broadcast(flat, 0);
+    std::ostringstream description;
+    description << "broadcast of " << what << " (" << flat.scalar_type() << ", "
+                << flat.numel() << " elements)";
+    world.broadcast(flat, 0, description.str());
     if (world.rank() == 0) {
       continue;
     }

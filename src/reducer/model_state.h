@@ -46,7 +46,8 @@ void check_same_model(
 void check_replicas_agree(World& world, const std::vector<NamedTensor>& state);
 
 /// Overwrites `tensors` on every rank with rank 0's values, in one
-/// broadcast per dtype.
-void broadcast_from_rank0(World& world, const std::vector<at::Tensor>& tensors);
+/// broadcast per dtype; `what` names them in errors.
+void broadcast_from_rank0(
+    World& world, const std::vector<at::Tensor>& tensors, const std::string& what);
 
 } // namespace lockstep::detail

@@ -96,7 +96,8 @@ Reducer::Reducer(torch::nn::Module& module, World world, DdpOptions options)
   check_same_model(state.world, all_params, all_buffers);
   state.replica_state = all_params;
   state.replica_state.insert(state.replica_state.end(), all_buffers.begin(), all_buffers.end());
-  broadcast_from_rank0(state.world, module_state);
+  broadcast_from_rank0(state.world, module_state,
+                       "rank 0's parameters and buffers at construction");
   for (const auto& buffer : state.buffers) {
     state.buffer_versions.push_back(buffer._version());
   }
@@ -251,7 +252,7 @@ void Reducer::State::check_replicas() {
 }
 
 void Reducer::State::broadcast_buffers() {
-  broadcast_from_rank0(world, buffers);
+  broadcast_from_rank0(world, buffers, str("the buffers before forward ", forwards + 1));
   for (size_t i = 0; i < buffers.size(); ++i) {
     buffer_versions[i] = buffers[i]._version();
   }

@@ -179,12 +179,14 @@ void World::barrier() {
   run_collective(*impl_, "barrier", [&] { return detail::start_barrier(*impl_->cpu_group); });
 }
 
-void World::broadcast(at::Tensor& tensor, int root) {
+void World::broadcast(at::Tensor& tensor, int root, const std::string& description) {
   LOCKSTEP_ENFORCE(
       root >= 0 && root < size(), CollectiveError, "broadcast root ", root,
       " is not a rank of this world of size ", size(), ".");
-  run_collective(
-      *impl_, detail::str("broadcast from rank ", root, " of ", describe(tensor)), [&] {
+  std::string operation = description.empty()
+      ? detail::str("broadcast from rank ", root, " of ", describe(tensor))
+      : description;
+  run_collective(*impl_, operation, [&] {
         return detail::start_broadcast(*process_group(tensor.device()),
                                        detail::bitwise_view(tensor), root);
       });
