@@ -13,6 +13,7 @@
 
 #include "checkpoint/checkpoint_file.h"
 #include "reducer/model_state.h"
+#include "world/torch_compat.h"
 
 namespace lockstep {
 namespace {
@@ -143,12 +144,6 @@ void agree(World& world, const std::string& my_error, const std::string& what) {
   throw CheckpointError(message.str());
 }
 
-std::string message_of(const std::exception& e) {
-  if (const auto* torch_error = dynamic_cast<const c10::Error*>(&e)) {
-    return torch_error->what_without_backtrace();
-  }
-  return e.what();
-}
 
 } // namespace
 
@@ -164,7 +159,7 @@ void save_checkpoint(
       detail::write_checkpoint_file(
           path, {world.size(), serialize(module, optimizer, extra)});
     } catch (const std::exception& e) {
-      error = message_of(e);
+      error = detail::describe_exception(e);
     }
   }
   agree(world, error, "lockstep: saving the checkpoint " + path);
@@ -182,7 +177,7 @@ CheckpointExtra load_checkpoint(
     try {
       bytes = detail::read_bytes(path);
     } catch (const std::exception& e) {
-      error = message_of(e);
+      error = detail::describe_exception(e);
     }
   }
   if (read == CheckpointRead::RankZeroBroadcasts) {
@@ -201,7 +196,7 @@ CheckpointExtra load_checkpoint(
     try {
       extra = restore(path, detail::parse_checkpoint_bytes(bytes, path), module, optimizer);
     } catch (const std::exception& e) {
-      error = message_of(e);
+      error = detail::describe_exception(e);
     }
   }
   agree(world, error, "lockstep: loading the checkpoint " + path);

@@ -6,6 +6,7 @@
 
 #include <lockstep/error.h>
 
+#include "world/rendezvous.h"
 #include "world/torch_compat.h"
 
 namespace lockstep::detail {
@@ -15,13 +16,6 @@ namespace {
 // bucket of an iteration to be in flight at once.
 constexpr uint64_t kKept = 64;
 
-std::string list(const std::vector<int>& ranks) {
-  std::string out;
-  for (size_t i = 0; i < ranks.size(); ++i) {
-    out += (i == 0 ? "" : ", ") + std::to_string(ranks[i]);
-  }
-  return out.empty() ? "none" : out;
-}
 
 } // namespace
 
@@ -89,7 +83,7 @@ std::string Ledger::attendance(uint64_t seq) const {
   if (missing.empty()) {
     return "every rank reached it (the transport itself is stuck or slow)";
   }
-  return "rank(s) " + list(missing) + " never reached it (reached: " + list(came) + ")";
+  return "rank(s) " + rank_list(missing) + " never reached it (reached: " + rank_list(came) + ")";
 }
 
 } // namespace lockstep::detail

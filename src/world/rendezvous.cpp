@@ -41,13 +41,6 @@ std::string hostname() {
   return name;
 }
 
-std::string rank_list(const std::vector<int>& ranks) {
-  std::string out;
-  for (size_t i = 0; i < ranks.size(); ++i) {
-    out += (i == 0 ? "" : ", ") + std::to_string(ranks[i]);
-  }
-  return out.empty() ? "none" : out;
-}
 
 c10::intrusive_ptr<c10d::Store> connect_tcp_store(const WorldConfig& config) {
   bool host_here = config.rank == 0 && !config.agent_store;
@@ -209,6 +202,14 @@ void wait_for_all(c10d::Store& store, const WorldConfig& config) {
 }
 
 } // namespace
+
+std::string rank_list(const std::vector<int>& ranks) {
+  std::string out;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    out += (i == 0 ? "" : ", ") + std::to_string(ranks[i]);
+  }
+  return out.empty() ? "none" : out;
+}
 
 std::string master_endpoint(const WorldConfig& config) {
   return str(config.master_addr, ":", config.master_port);

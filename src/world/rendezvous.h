@@ -5,6 +5,7 @@
 // ranks instead of a bare timeout.
 
 #include <string>
+#include <vector>
 
 #include <c10/util/intrusive_ptr.h>
 
@@ -29,6 +30,9 @@ void join(const c10::intrusive_ptr<c10d::Store>& store,
 /// The address of this machine on the route towards `host`: what peers can
 /// reach us at when `host` is the master. Loopback when `host` is.
 std::string local_address_towards(const std::string& host);
+
+/// Ranks as "0, 2, 3", or "none", for messages.
+std::string rank_list(const std::vector<int>& ranks);
 
 /// "address:port" of the master, for messages.
 std::string master_endpoint(const WorldConfig& config);

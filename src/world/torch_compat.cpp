@@ -94,15 +94,20 @@ c10::intrusive_ptr<c10d::Work> start_barrier(c10d::ProcessGroup& group) {
   return group.barrier();
 }
 
+// LibTorch 1.13's Gloo has no bfloat16 at all.
+bool gloo_lacks_type(const at::Tensor& tensor) {
+  return tensor.device().is_cpu() && tensor.scalar_type() == at::kBFloat16;
+}
+
 at::ScalarType reduction_type(const at::Tensor& tensor) {
-  if (tensor.device().is_cpu() && tensor.scalar_type() == at::kBFloat16) {
+  if (gloo_lacks_type(tensor)) {
     return at::kFloat;
   }
   return tensor.scalar_type();
 }
 
 at::Tensor bitwise_view(const at::Tensor& tensor) {
-  if (tensor.device().is_cpu() && tensor.scalar_type() == at::kBFloat16) {
+  if (gloo_lacks_type(tensor)) {
     return tensor.view(at::kHalf); // same width; Gloo moves half's bytes as they are
   }
   return tensor;
