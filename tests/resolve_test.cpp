@@ -133,6 +133,14 @@ TEST(Resolve, TimeoutFromEnvironment) {
             std::chrono::milliseconds(250));
 }
 
+TEST(Resolve, DebugLevelFromOptionsThenEnvironment) {
+  EXPECT_EQ(resolve({}).debug, DebugLevel::Off);
+  EXPECT_EQ(resolve({{"LOCKSTEP_DEBUG", "INFO"}}).debug, DebugLevel::Info);
+  EXPECT_EQ(resolve({{"LOCKSTEP_DEBUG", "DETAIL"}}).debug, DebugLevel::Detail);
+  EXPECT_EQ(resolve({{"LOCKSTEP_DEBUG", "DETAIL"}}, WorldOptions().debug(DebugLevel::Off)).debug,
+            DebugLevel::Off);
+}
+
 TEST(ResolveErrors, RankOutOfRange) {
   Env env = kTorchrun;
   env["RANK"] = "4";
@@ -198,6 +206,11 @@ TEST(ResolveErrors, BadTimeout) {
   expect_config_error({{"LOCKSTEP_TIMEOUT", "soon"}},
                       {"LOCKSTEP_TIMEOUT='soon'", "seconds"});
   expect_config_error({{"LOCKSTEP_TIMEOUT", "-3"}}, {"LOCKSTEP_TIMEOUT='-3'"});
+}
+
+TEST(ResolveErrors, BadDebugLevel) {
+  expect_config_error({{"LOCKSTEP_DEBUG", "LOUD"}},
+                      {"LOCKSTEP_DEBUG='LOUD' is not a debug level; use OFF, INFO or DETAIL."});
 }
 
 TEST(ResolveErrors, BadOptions) {

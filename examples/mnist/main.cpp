@@ -168,10 +168,14 @@ int run(const mnist::Flags& flags) {
       }
       ++step;
       maybe_crash(world, epoch, step);
+      lockstep::TimelineSpan step_span("training step");
       optimizer.zero_grad();
       auto loss = torch::nll_loss(ddp(batch.data), batch.target);
       loss.backward();
-      optimizer.step();
+      {
+        lockstep::TimelineSpan span("optimizer step");
+        optimizer.step();
+      }
       images += batch.data.size(0) * world.size();
       epoch_images += batch.data.size(0) * world.size();
       if (lead) {

@@ -5,6 +5,8 @@
 
 #include <torch/arg.h>
 
+#include <lockstep/debug_level.h>
+
 namespace lockstep {
 
 /// When the wrapper broadcasts rank 0's buffers (BatchNorm running stats,
@@ -30,18 +32,6 @@ enum class Bypass {
   Error,
   /// Leave such gradients local, without a word.
   Ignore,
-};
-
-/// How much DistributedDataParallel tells on stderr.
-enum class DebugLevel {
-  Off,
-  /// The bucket layout at construction and after its rebuild, and the
-  /// parameters unused on this rank in each iteration where they change.
-  Info,
-  /// Info, and (set through LOCKSTEP_DEBUG=DETAIL, which World reads)
-  /// before every collective the ranks compare, through the store, what each
-  /// is about to do: a mismatch is an error naming both sides.
-  Detail,
 };
 
 /// How DistributedDataParallel synchronises a module. Every field has the
@@ -71,7 +61,9 @@ struct DdpOptions {
   /// parameters and buffers (DistributedDataParallel::check_replicas); 0
   /// never checks.
   TORCH_ARG(int64_t, verify_every) = 0;
-  /// Unset: LOCKSTEP_DEBUG (OFF, INFO or DETAIL), else Off.
+  /// Unset: the world's level (WorldOptions::debug, else LOCKSTEP_DEBUG).
+  /// Detail here also turns on the world's comparison of collectives, on
+  /// every rank alike, since every rank constructs the wrapper.
   TORCH_ARG(std::optional<DebugLevel>, debug);
 };
 

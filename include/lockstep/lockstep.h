@@ -7,5 +7,6 @@
 #include <lockstep/ddp_options.h>
 #include <lockstep/ddp_stats.h>
 #include <lockstep/error.h>
+#include <lockstep/timeline.h>
 #include <lockstep/world.h>
 #include <lockstep/world_options.h>

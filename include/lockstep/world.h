@@ -12,6 +12,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
 
+#include <lockstep/debug_level.h>
 #include <lockstep/error.h>
 #include <lockstep/world_options.h>
 
@@ -31,6 +32,10 @@ class PendingCollective {
   /// raises TimeoutError or CollectiveError naming the rank and the
   /// operation. Waiting again is a no-op.
   void wait();
+  /// When the collective completed, as the backend reported it; meaningful
+  /// once wait() has returned. Only the timeline asks the backend; otherwise
+  /// this is when wait() saw it done.
+  std::chrono::steady_clock::time_point completed_at() const;
 
   struct State;
   explicit PendingCollective(std::shared_ptr<State> state);
@@ -51,6 +56,12 @@ class World {
   /// by lockstep-run and torchrun), "OpenMPI", "SLURM" or "single process".
   const std::string& source() const;
   std::chrono::milliseconds timeout() const;
+  /// WorldOptions::debug, else LOCKSTEP_DEBUG.
+  DebugLevel debug() const;
+  /// At Detail, the ranks compare every later collective before running it.
+  /// Every rank must set the same level at the same point of the program
+  /// (DistributedDataParallel does so when DdpOptions::debug asks for it).
+  void set_debug(DebugLevel level);
 
   /// The store shared by all ranks, scoped to this job (keys written here do
   /// not collide with another job's on the same store). Include

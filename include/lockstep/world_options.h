@@ -6,6 +6,8 @@
 
 #include <torch/arg.h>
 
+#include <lockstep/debug_level.h>
+
 namespace lockstep {
 
 /// How `lockstep::init()` forms the world. Every field left unset is read
@@ -30,6 +32,9 @@ struct WorldOptions {
   /// Scopes the store keys, so that two jobs sharing one store never mix.
   /// Default: LOCKSTEP_JOB_ID, else TORCHELASTIC_RUN_ID, else "default".
   TORCH_ARG(std::optional<std::string>, job_id);
+  /// Unset: LOCKSTEP_DEBUG (OFF, INFO or DETAIL), else Off. At Detail, the
+  /// ranks compare every collective before running it.
+  TORCH_ARG(std::optional<DebugLevel>, debug);
 };
 
 } // namespace lockstep

@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "reducer/reducer_state.h"
+#include "timeline/recorder.h"
 
 namespace lockstep::detail {
 
@@ -86,6 +87,7 @@ void Reducer::State::open_iteration() {
     }
   });
   used_now.assign(params.size(), 0);
+  first_gradient = Clock::now();
   if (!iteration_sync) {
     return;
   }
@@ -93,7 +95,6 @@ void Reducer::State::open_iteration() {
   if (bypassed) {
     stats.last = IterationStats{};
   }
-  first_gradient = Clock::now();
   ready.assign(params.size(), 0);
   ready_order.clear();
   problems.clear();
@@ -104,6 +105,9 @@ void Reducer::State::open_iteration() {
   next_launch = 0;
   in_flight.assign(buckets.size(), std::nullopt);
   launch_ms.assign(buckets.size(), 0.0);
+  bucket_first.assign(buckets.size(), Clock::time_point{});
+  bucket_ready.assign(buckets.size(), Clock::time_point{});
+  bucket_launch.assign(buckets.size(), Clock::time_point{});
   if (unused_at_forward && !bypassed) {
     for (size_t index : *unused_at_forward) {
       mark_ready(index, /*used=*/false);
@@ -128,7 +132,12 @@ void Reducer::State::mark_ready(size_t index, bool used) {
     grad = grad.clone();
   }
   bucket.flags()[static_cast<int64_t>(k)].fill_(contributes ? 1 : 0);
-  if (--pending[bucket_of[index]] == 0) {
+  size_t b = bucket_of[index];
+  if (timeline::enabled() && bucket_first[b] == Clock::time_point{}) {
+    bucket_first[b] = Clock::now();
+  }
+  if (--pending[b] == 0) {
+    bucket_ready[b] = Clock::now();
     launch_ready_buckets(/*include_last=*/false);
   }
 }
@@ -145,7 +154,8 @@ void Reducer::State::launch_ready_buckets(bool include_last) {
       extras[kBuffersChanged].fill_(buffers_changed_locally() ? 1 : 0);
       extras[kProblems].fill_(problems.empty() ? 0 : 1);
     }
-    launch_ms[next_launch] = ms_between(first_gradient, Clock::now());
+    bucket_launch[next_launch] = Clock::now();
+    launch_ms[next_launch] = ms_between(first_gradient, bucket_launch[next_launch]);
     in_flight[next_launch] = world.all_reduce_async(
         bucket.buffer(), ReduceOp::Sum,
         str("all_reduce of ", describe_bucket(next_launch)));
@@ -165,6 +175,10 @@ void Reducer::State::finalize() {
     }
   } close{*this};
   if (!iteration_sync) {
+    if (timeline::enabled()) {
+      timeline::record(timeline::kLoopTrack, "backward (no_sync: gradients stay local)",
+                       first_gradient, Clock::now());
+    }
     return;
   }
   auto backward_end = Clock::now();
@@ -241,6 +255,29 @@ void Reducer::State::finalize() {
   stats.total.bytes_reduced += stats.last.bytes_reduced;
   stats.bucket_launch_ms = launch_ms;
   stats.backward_end_ms = ms_between(first_gradient, backward_end);
+  if (timeline::enabled()) {
+    record_timeline(wait_start, wait_end);
+  }
+}
+
+void Reducer::State::record_timeline(Clock::time_point wait_start,
+                                     Clock::time_point wait_end) const {
+  // Recorded at the end, when every time is known: the buckets were
+  // relaid after the first iteration, and spans name the layout they ran in.
+  const auto& loop = timeline::kLoopTrack;
+  auto it = str(iteration);
+  timeline::record(loop, "backward", first_gradient, Clock::now(), {{"iteration", it}});
+  timeline::record(loop, "waiting for buckets", wait_start, wait_end, {{"iteration", it}});
+  for (size_t b = 0; b < in_flight.size(); ++b) {
+    auto track = str("bucket ", b);
+    timeline::Args args{{"iteration", it}, {"bucket", describe_bucket(b)}};
+    timeline::record(track, "gradients", bucket_first[b], bucket_ready[b], args);
+    if (bucket_launch[b] > bucket_ready[b]) {
+      timeline::record(track, "queued", bucket_ready[b], bucket_launch[b], args);
+    }
+    timeline::record(track, "all_reduce", bucket_launch[b], in_flight[b]->completed_at(), args);
+  }
+  timeline::flush();
 }
 
 void Reducer::State::raise_problems_everywhere(int64_t ranks_with_problems) {

@@ -1,7 +1,6 @@
 #include <lockstep/detail/reducer.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <iostream>
 #include <sstream>
 
@@ -16,6 +15,7 @@
 #include "reducer/graph_walk.h"
 #include "reducer/model_state.h"
 #include "reducer/reducer_state.h"
+#include "timeline/recorder.h"
 
 namespace lockstep::detail {
 namespace {
@@ -46,24 +46,6 @@ void reject_sparse_gradients(torch::nn::Module& module) {
   }
 }
 
-DebugLevel resolve_debug_level(const DdpOptions& options) {
-  if (options.debug()) {
-    return *options.debug();
-  }
-  const char* text = std::getenv("LOCKSTEP_DEBUG");
-  std::string level = text ? text : "OFF";
-  if (level == "OFF" || level.empty()) {
-    return DebugLevel::Off;
-  }
-  if (level == "INFO") {
-    return DebugLevel::Info;
-  }
-  LOCKSTEP_ENFORCE(
-      level == "DETAIL", ConfigError, "LOCKSTEP_DEBUG='", level,
-      "' is not a debug level; use OFF, INFO or DETAIL.");
-  return DebugLevel::Detail;
-}
-
 } // namespace
 
 Reducer::Reducer(torch::nn::Module& module, World world, DdpOptions options)
@@ -75,7 +57,11 @@ Reducer::Reducer(torch::nn::Module& module, World world, DdpOptions options)
       options.bucket_cap_mb(), ", first_bucket_cap_mb=",
       options.first_bucket_cap_mb(), ").");
   reject_sparse_gradients(module);
-  state.info = resolve_debug_level(options) != DebugLevel::Off;
+  DebugLevel level = options.debug().value_or(state.world.debug());
+  state.info = level != DebugLevel::Off;
+  if (level == DebugLevel::Detail) {
+    state.world.set_debug(DebugLevel::Detail);
+  }
 
   std::vector<NamedTensor> all_params;
   std::vector<NamedTensor> all_buffers;
@@ -163,6 +149,9 @@ void Reducer::State::layout_buckets(const std::vector<size_t>& order) {
   bucket_of = std::move(fresh_bucket_of);
   slot_of = std::move(fresh_slot_of);
 
+  for (size_t b = 0; b < buckets.size() && timeline::enabled(); ++b) {
+    timeline::declare_track(str("bucket ", b));
+  }
   stats.bucket_bytes.clear();
   stats.bucket_parameters.clear();
   for (const auto& bucket : buckets) {
@@ -273,6 +262,10 @@ void Reducer::after_forward(const std::vector<at::Tensor>& outputs) {
   auto& state = *state_;
   std::lock_guard<std::mutex> lock(state.mutex);
   state.forward_end = Clock::now();
+  if (timeline::enabled()) {
+    timeline::record(timeline::kLoopTrack, "forward", state.forward_start,
+                     state.forward_end, {{"forward", str(state.forwards)}});
+  }
   double forward_ms = ms_between(state.forward_start, state.forward_end);
   state.stats.last.forward_ms = forward_ms;
   state.stats.total.forward_ms += forward_ms;

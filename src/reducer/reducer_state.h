@@ -73,6 +73,10 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   size_t next_launch = 0;
   std::vector<std::optional<PendingCollective>> in_flight;
   std::vector<double> launch_ms;
+  // For the timeline, per bucket: its first gradient, its last, its launch.
+  std::vector<Clock::time_point> bucket_first;
+  std::vector<Clock::time_point> bucket_ready;
+  std::vector<Clock::time_point> bucket_launch;
   std::vector<std::string> problems;
 
   // Across iterations.
@@ -99,6 +103,7 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   bool buffers_changed_locally() const;
   void broadcast_buffers();
   void check_replicas();
+  void record_timeline(Clock::time_point wait_start, Clock::time_point wait_end) const;
   std::string describe_bucket(size_t bucket) const;
   void log_layout(const std::string& when) const;
   void log(const std::string& message) const;

@@ -6,6 +6,7 @@
 // about to do before doing it, so that mismatched collectives become an
 // error naming both sides instead of a hang or silent garbage.
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <string>
@@ -31,6 +32,11 @@ class Ledger {
   /// one differs, or TimeoutError naming the ranks that never came.
   void arrive(uint64_t seq, const std::string& what);
 
+  /// Whether arrive() compares every rank's record (LOCKSTEP_DEBUG=DETAIL).
+  void set_compare(bool compare) {
+    compare_ = compare;
+  }
+
   /// For an error message: which ranks reached collective `seq` and which
   /// did not, as the store knows it.
   std::string attendance(uint64_t seq) const;
@@ -42,7 +48,7 @@ class Ledger {
   int rank_;
   int size_;
   std::chrono::milliseconds timeout_;
-  bool compare_;
+  std::atomic<bool> compare_;
 };
 
 } // namespace lockstep::detail

@@ -114,6 +114,24 @@ std::chrono::milliseconds resolve_timeout(
       static_cast<long long>(std::ceil(seconds * 1000.0)));
 }
 
+DebugLevel resolve_debug(const WorldOptions& options, const EnvLookup& env) {
+  if (options.debug()) {
+    return *options.debug();
+  }
+  auto setting = lookup(env, "LOCKSTEP_DEBUG");
+  std::string level = setting ? setting->text : "OFF";
+  if (level == "OFF" || level.empty()) {
+    return DebugLevel::Off;
+  }
+  if (level == "INFO") {
+    return DebugLevel::Info;
+  }
+  LOCKSTEP_ENFORCE(
+      level == "DETAIL", ConfigError, "LOCKSTEP_DEBUG='", level,
+      "' is not a debug level; use OFF, INFO or DETAIL.");
+  return DebugLevel::Detail;
+}
+
 std::string resolve_job_prefix(
     const WorldOptions& options,
     const EnvLookup& env) {
@@ -225,6 +243,7 @@ WorldConfig resolve_world(const WorldOptions& options, const EnvLookup& env) {
       config.local_size, " is larger than the world size ", config.size, ".");
 
   config.timeout = resolve_timeout(options, env);
+  config.debug = resolve_debug(options, env);
   config.key_prefix = resolve_job_prefix(options, env);
   if (config.size == 1) {
     return config;

@@ -26,6 +26,7 @@ struct WorldConfig {
   /// Prefix of every key this job writes to the store (PrefixStore adds "/").
   std::string key_prefix;
   std::string source;
+  DebugLevel debug = DebugLevel::Off;
 };
 
 using EnvLookup =

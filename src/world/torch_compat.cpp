@@ -120,6 +120,11 @@ std::string describe_exception(const std::exception& error) {
   return error.what();
 }
 
+void when_done(c10d::Work& work, std::function<void()> callback) {
+  work.getFuture()->addCallback(
+      [callback = std::move(callback)](c10::ivalue::Future&) { callback(); });
+}
+
 void wait_work(c10d::Work& work, std::chrono::milliseconds timeout) {
   work.wait(timeout);
 }

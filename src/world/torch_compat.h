@@ -5,6 +5,7 @@
 // ProcessGroup wraps per-device Backends and ReduceOp became a struct).
 
 #include <chrono>
+#include <functional>
 #include <string>
 
 #include <c10/util/intrusive_ptr.h>
@@ -60,6 +61,9 @@ at::Tensor bitwise_view(const at::Tensor& tensor);
 /// The message of an exception without LibTorch's C++ backtrace, which says
 /// nothing to a user and buries the cause.
 std::string describe_exception(const std::exception& error);
+
+/// Calls `callback` (on the backend's thread) when `work` completes.
+void when_done(c10d::Work& work, std::function<void()> callback);
 
 /// Waits for `work` at most `timeout`; rethrows the backend's failure.
 void wait_work(c10d::Work& work, std::chrono::milliseconds timeout);

@@ -6,10 +6,10 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <atomic>
-#include <cstdlib>
 #include <mutex>
 #include <sstream>
 
+#include "timeline/recorder.h"
 #include "world/ledger.h"
 #include "world/rendezvous.h"
 #include "world/resolve.h"
@@ -28,6 +28,12 @@ struct World::Impl {
   std::atomic<uint64_t> collective_count{0};
   std::unique_ptr<detail::Ledger> ledger;
   uint64_t string_gather_count = 0;
+
+  ~Impl() {
+    // A program may end without running static destructors (_exit, a
+    // fatal signal later): what the timeline holds should reach the file.
+    detail::timeline::flush();
+  }
 
   /// Numbers the next collective and records, in the ledger, that this rank
   /// reached it.
@@ -93,9 +99,14 @@ void complete(
 // and completes it.
 template <typename Start>
 void run_collective(World::Impl& impl, const std::string& operation, Start start) {
+  auto begin = detail::timeline::Clock::now();
   uint64_t seq = impl.begin(operation);
   auto work = start();
   complete(impl, seq, operation, *work);
+  if (detail::timeline::enabled()) {
+    detail::timeline::record(detail::timeline::kLoopTrack, operation, begin,
+                             detail::timeline::Clock::now());
+  }
 }
 
 } // namespace
@@ -109,10 +120,29 @@ struct PendingCollective::State {
   at::Tensor travelling; // `tensor`, or its float32 copy for bfloat16
   ReduceOp op = ReduceOp::Sum;
   bool done = false;
+  // Set by the backend's completion callback, which may run before or
+  // after wait() begins; shared because the callback may outlive this.
+  std::shared_ptr<std::atomic<int64_t>> completed_ns =
+      std::make_shared<std::atomic<int64_t>>(0);
 };
+
+namespace {
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             detail::timeline::Clock::now().time_since_epoch())
+      .count();
+}
+
+} // namespace
 
 PendingCollective::PendingCollective(std::shared_ptr<State> state)
     : state_(std::move(state)) {}
+
+std::chrono::steady_clock::time_point PendingCollective::completed_at() const {
+  return std::chrono::steady_clock::time_point(
+      std::chrono::nanoseconds(state_->completed_ns->load()));
+}
 
 void PendingCollective::wait() {
   auto& state = *state_;
@@ -121,6 +151,8 @@ void PendingCollective::wait() {
   }
   state.done = true;
   complete(*state.world, state.seq, state.what, *state.work);
+  int64_t unset = 0;
+  state.completed_ns->compare_exchange_strong(unset, now_ns());
   if (!state.travelling.is_same(state.tensor)) {
     state.tensor.copy_(state.travelling);
   }
@@ -153,6 +185,15 @@ const std::string& World::source() const {
 }
 std::chrono::milliseconds World::timeout() const {
   return impl_->config.timeout;
+}
+DebugLevel World::debug() const {
+  return impl_->config.debug;
+}
+void World::set_debug(DebugLevel level) {
+  impl_->config.debug = level;
+  if (impl_->ledger) {
+    impl_->ledger->set_compare(level == DebugLevel::Detail);
+  }
 }
 
 c10::intrusive_ptr<c10d::Store> World::store() const {
@@ -193,8 +234,13 @@ void World::broadcast(at::Tensor& tensor, int root, const std::string& descripti
 }
 
 void World::all_reduce(at::Tensor& tensor, ReduceOp op) {
-  all_reduce_async(tensor, op, detail::str("all_reduce of ", describe(tensor)))
-      .wait();
+  auto begin = detail::timeline::Clock::now();
+  std::string operation = detail::str("all_reduce of ", describe(tensor));
+  all_reduce_async(tensor, op, operation).wait();
+  if (detail::timeline::enabled()) {
+    detail::timeline::record(detail::timeline::kLoopTrack, operation, begin,
+                             detail::timeline::Clock::now());
+  }
 }
 
 PendingCollective World::all_reduce_async(
@@ -211,6 +257,11 @@ PendingCollective World::all_reduce_async(
       : tensor.to(travelling_type);
   state->work = detail::start_all_reduce(
       *process_group(tensor.device()), state->travelling, op);
+  if (detail::timeline::enabled()) {
+    detail::when_done(*state->work, [completed = state->completed_ns] {
+      completed->store(now_ns());
+    });
+  }
   return PendingCollective(std::move(state));
 }
 
@@ -259,14 +310,14 @@ std::vector<std::string> World::all_gather_strings(const std::string& value) {
 World init(const WorldOptions& options) {
   auto impl = std::make_shared<World::Impl>();
   impl->config = detail::resolve_world(options, detail::process_environment());
+  detail::timeline::start(impl->config.rank);
   impl->store = detail::connect_store(impl->config);
   if (impl->config.size > 1) {
     detail::join(impl->store, impl->config);
-    const char* debug = std::getenv("LOCKSTEP_DEBUG");
     impl->ledger = std::make_unique<detail::Ledger>(
         c10::make_intrusive<c10d::PrefixStore>("ledger", impl->store),
         impl->config.rank, impl->config.size, impl->config.timeout,
-        /*compare=*/debug != nullptr && std::string(debug) == "DETAIL");
+        /*compare=*/impl->config.debug == DebugLevel::Detail);
   }
   auto gloo_store = c10::make_intrusive<c10d::PrefixStore>("gloo/", impl->store);
   impl->cpu_group = detail::make_gloo_group(gloo_store, impl->group_options());
