@@ -192,7 +192,7 @@ TEST(DdpDetail, ARankThatSkipsABackwardIsAnErrorNotAHang) {
     std::vector<std::string> fragments{"the ranks are out of step at collective #",
                                        "rank 0 is doing all_reduce of bucket 0 of iteration 2",
                                        "rank 1 is doing broadcast of the buffers before forward 3",
-                                       "Every rank must run the same forwards and backwards"};
+                                       "Every rank must run the same forwards, backwards and collectives"};
     if (rank == 0) {
       auto loss = step();
       expect_error<CollectiveError>([&] { loss.backward(); }, fragments);

@@ -10,6 +10,7 @@
 
 #include <gtest/gtest.h>
 
+#include "support/documented_error.h"
 #include "support/multiprocess.h"
 
 namespace lockstep::testing {
@@ -116,6 +117,16 @@ TEST(Harness, EnvironmentOverridesReachTheRank) {
     EXPECT_EQ(std::getenv("MASTER_ADDR"), nullptr);
   });
   EXPECT_TRUE(result.ok()) << result.report();
+}
+
+TEST(DocumentedMessages, AnEllipsisStandsForTextThatVaries) {
+  EXPECT_TRUE(matches_documented("exactly this", "exactly this"));
+  EXPECT_FALSE(matches_documented("exactly this, and more", "exactly this"));
+  EXPECT_TRUE(matches_documented("failed.\n  cause: port 4242 closed", "failed.\n  cause: …"));
+  EXPECT_TRUE(matches_documented("a 1 b 2 c", "a … b … c"));
+  EXPECT_FALSE(matches_documented("a 1 c 2 b", "a … b … c"));
+  EXPECT_FALSE(matches_documented("ab", "ab…b")); // head and tail may not overlap
+  EXPECT_FALSE(documented_message("bypass").empty());
 }
 
 } // namespace

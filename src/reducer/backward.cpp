@@ -92,6 +92,7 @@ void Reducer::State::open_iteration() {
     return;
   }
   ++iteration;
+  backward_of_forward = bypassed ? 0 : forwards;
   if (bypassed) {
     stats.last = IterationStats{};
   }
@@ -158,7 +159,10 @@ void Reducer::State::launch_ready_buckets(bool include_last) {
     launch_ms[next_launch] = ms_between(first_gradient, bucket_launch[next_launch]);
     in_flight[next_launch] = world.all_reduce_async(
         bucket.buffer(), ReduceOp::Sum,
-        str("all_reduce of ", describe_bucket(next_launch)));
+        str("all_reduce of ", describe_bucket(next_launch),
+            backward_of_forward > 0
+                ? str(" in the backward of forward ", backward_of_forward)
+                : std::string(" in a backward that bypassed the wrapper")));
     stats.last.bytes_reduced += bucket.bytes();
     ++next_launch;
   }
@@ -291,10 +295,17 @@ void Reducer::State::raise_problems_everywhere(int64_t ranks_with_problems) {
   std::ostringstream message;
   message << "iteration " << iteration << " broke a rule on "
           << ranks_with_problems << " rank(s):";
+  bool static_graph_broken = false;
   for (size_t rank = 0; rank < texts.size(); ++rank) {
     if (!texts[rank].empty()) {
       message << "\n  rank " << rank << ": " << texts[rank];
+      static_graph_broken |= texts[rank].find("static_graph froze") != std::string::npos;
     }
+  }
+  if (static_graph_broken) {
+    message << "\nstatic_graph(true) promises that every iteration uses the "
+               "parameters of the first; turn it off for a model whose used "
+               "parameters change between iterations or ranks.";
   }
   LOCKSTEP_FAIL(UsageError, message.str());
 }

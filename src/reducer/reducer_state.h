@@ -65,6 +65,10 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   // The backward in progress.
   bool iteration_open = false;
   bool iteration_sync = false;
+  // The forward whose backward this is (0: one that bypassed the wrapper);
+  // in each bucket's description, so that DETAIL tells a rank that skipped
+  // a backward from one that is simply at the same iteration count.
+  int64_t backward_of_forward = 0;
   Clock::time_point first_gradient;
   std::vector<char> ready;
   std::vector<char> used_now;

@@ -38,9 +38,17 @@ void Ledger::arrive(uint64_t seq, const std::string& what) {
   if (size_ == 1) {
     return;
   }
-  store_->set(key(seq, rank_), {what.begin(), what.end()});
-  if (seq > kKept) {
-    store_->deleteKey(key(seq - kKept, rank_));
+  try {
+    store_->set(key(seq, rank_), {what.begin(), what.end()});
+    if (seq > kKept) {
+      store_->deleteKey(key(seq - kKept, rank_));
+    }
+  } catch (const std::exception& e) {
+    LOCKSTEP_FAIL(
+        CollectiveError, "rank ", rank_, ": collective #", seq, " (", what,
+        ") cannot start: the store is unreachable, so the rank that hosts it "
+        "(rank 0, or torchrun's agent) has most likely exited; its own output "
+        "says why.\n  cause: ", describe_exception(e));
   }
   if (!compare_) {
     return;
@@ -64,26 +72,30 @@ void Ledger::arrive(uint64_t seq, const std::string& what) {
         theirs == what, CollectiveError, "the ranks are out of step at "
         "collective #", seq, ": rank ", rank, " is doing ", theirs,
         " while rank ", rank_, " is doing ", what, ". Every rank must run "
-        "the same forwards and backwards in the same order.");
+        "the same forwards, backwards and collectives in the same order: look "
+        "for one under a condition on the rank, or for ranks given different "
+        "numbers of batches.");
   }
 }
 
-std::string Ledger::attendance(uint64_t seq) const {
+std::string Ledger::attendance(uint64_t seq, bool failed) const {
   std::vector<int> came;
   std::vector<int> missing;
   for (int rank = 0; rank < size_; ++rank) {
-    bool arrived = false;
     try {
-      arrived = store_->check({key(seq, rank)});
+      (store_->check({key(seq, rank)}) ? came : missing).push_back(rank);
     } catch (const std::exception&) {
-      // The store is gone with rank 0: nothing more to learn.
+      return "the store is unreachable too, so the rank that hosts it (rank 0, "
+             "or torchrun's agent) has most likely exited; its own output says why";
     }
-    (arrived ? came : missing).push_back(rank);
   }
   if (missing.empty()) {
-    return "every rank reached it (the transport itself is stuck or slow)";
+    return failed ? "every rank reached it, so one failed during it; its own output says why"
+                  : "every rank reached it (the transport itself is stuck or slow)";
   }
-  return "rank(s) " + rank_list(missing) + " never reached it (reached: " + rank_list(came) + ")";
+  std::string text = "rank(s) " + rank_list(missing) + " never reached it (reached: " +
+      rank_list(came) + ")";
+  return failed ? text + ", most likely because it exited; its own output says why" : text;
 }
 
 } // namespace lockstep::detail

@@ -37,9 +37,10 @@ class Ledger {
     compare_ = compare;
   }
 
-  /// For an error message: which ranks reached collective `seq` and which
-  /// did not, as the store knows it.
-  std::string attendance(uint64_t seq) const;
+  /// For the error of a collective `seq` that timed out (`failed` false)
+  /// or broke (true): which ranks reached it and which did not, as the
+  /// store knows it, and what that suggests.
+  std::string attendance(uint64_t seq, bool failed = false) const;
 
  private:
   std::string key(uint64_t seq, int rank) const;

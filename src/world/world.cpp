@@ -89,9 +89,10 @@ void complete(
           "if it is only slow.\n  cause: ", cause);
     }
     LOCKSTEP_FAIL(
-        CollectiveError, "rank ", config.rank, ": ", what,
-        " failed (a closed connection means that another rank exited).\n"
-        "  cause: ", cause);
+        CollectiveError, "rank ", config.rank, ": ", what, " failed: ",
+        impl.ledger ? impl.ledger->attendance(seq, /*failed=*/true)
+                    : std::string("a closed connection means that another rank exited"),
+        ".\n  cause: ", cause);
   }
 }
 
