@@ -6,7 +6,10 @@
 //   MODEL: mlp | cnn | cnn_bn | mlp_const
 //   MODE:  lockstep (DistributedDataParallel) | manual (all-reduce each
 //          gradient after backward, as C++ users do by hand) | single (one
-//          process, no communication)
+//          process, no communication) | detail_ab (lockstep, switching
+//          LOCKSTEP_DEBUG=DETAIL's comparison off and on every 5 iterations:
+//          two lines, lockstep_ab and lockstep_detail, timed side by side in
+//          one process so that the machine's drift cancels out)
 // BENCH_BUCKET_CAP_MB overrides lockstep's bucket cap, to explore its effect.
 
 #include <sys/resource.h>
@@ -28,13 +31,33 @@ namespace {
 
 using namespace lockstep;
 
+// Rank 0 prints the CSV line: the median over the slowest rank, and the
+// largest peak RSS.
+void report(World& world, const std::string& model_name, const std::string& mode,
+            std::vector<double> times) {
+  std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
+  auto medians = torch::tensor({times[times.size() / 2]}, torch::kDouble);
+  world.all_reduce(medians, ReduceOp::Max);
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  auto rss = torch::tensor({static_cast<double>(usage.ru_maxrss) / 1024.0},
+                           torch::kDouble);
+  world.all_reduce(rss, ReduceOp::Max);
+  if (world.rank() == 0) {
+    std::printf("%s,%s,%.2f,%.0f\n", model_name.c_str(), mode.c_str(),
+                medians.item<double>(), rss.item<double>());
+    std::fflush(stdout);
+  }
+}
+
 template <typename ModelType>
 void run(World& world, ModelType model, const std::string& model_name,
          const std::string& mode, std::vector<int64_t> input_shape,
          int iterations, int warmup) {
   lockstep::bench::deterministic_init(*model);
   std::optional<DDP<ModelType>> ddp;
-  if (mode == "lockstep") {
+  bool alternate = mode == "detail_ab";
+  if (mode == "lockstep" || alternate) {
     DdpOptions options;
     if (const char* cap = std::getenv("BENCH_BUCKET_CAP_MB")) {
       options.bucket_cap_mb(std::atof(cap));
@@ -44,9 +67,15 @@ void run(World& world, ModelType model, const std::string& model_name,
   torch::optim::SGD optimizer(model->parameters(), 1e-4);
   auto [x, y] = lockstep::bench::deterministic_batch(input_shape);
   std::vector<double> times;
+  std::vector<double> detail_times;
   for (int i = 0; i < warmup + iterations; ++i) {
     if (i == warmup) {
       world.barrier();
+    }
+    // Every rank switches at the same iteration, as set_debug requires.
+    bool detail = alternate && i >= warmup && ((i - warmup) / 5) % 2 == 1;
+    if (alternate) {
+      world.set_debug(detail ? DebugLevel::Detail : DebugLevel::Off);
     }
     auto start = std::chrono::steady_clock::now();
     optimizer.zero_grad();
@@ -59,21 +88,17 @@ void run(World& world, ModelType model, const std::string& model_name,
     }
     optimizer.step();
     if (i >= warmup) {
-      times.push_back(std::chrono::duration<double, std::milli>(
-                          std::chrono::steady_clock::now() - start)
-                          .count());
+      (detail ? detail_times : times)
+          .push_back(std::chrono::duration<double, std::milli>(
+                         std::chrono::steady_clock::now() - start)
+                         .count());
     }
   }
-  std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
-  double median = times[times.size() / 2];
-  rusage usage{};
-  getrusage(RUSAGE_SELF, &usage);
-  auto rss = torch::tensor({static_cast<double>(usage.ru_maxrss) / 1024.0},
-                           torch::kDouble);
-  world.all_reduce(rss, ReduceOp::Max);
-  auto medians = torch::tensor({median}, torch::kDouble);
-  world.all_reduce(medians, ReduceOp::Max);
-  if (ddp && world.rank() == 0) {
+  report(world, model_name, alternate ? "lockstep_ab" : mode, times);
+  if (alternate) {
+    report(world, model_name, "lockstep_detail", detail_times);
+  }
+  if (ddp && !alternate && world.rank() == 0) {
     auto stats = ddp->stats();
     double n = static_cast<double>(stats.iterations);
     std::fprintf(stderr,
@@ -82,11 +107,6 @@ void run(World& world, ModelType model, const std::string& model_name,
                  model_name.c_str(), stats.total.forward_ms / n,
                  stats.total.backward_ms / n, stats.total.comm_wait_ms / n,
                  stats.bucket_bytes.size());
-  }
-  if (world.rank() == 0) {
-    std::printf("%s,%s,%.2f,%.0f\n", model_name.c_str(), mode.c_str(),
-                medians.item<double>(), rss.item<double>());
-    std::fflush(stdout);
   }
 }
 

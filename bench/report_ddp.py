@@ -49,6 +49,28 @@ def main():
         manual = best.get((model, "manual"), (float("nan"),))[0]
         lines.append(f"| {label} | " + " | ".join(cells) + f" | **{lock / torch_ms:.2f}x** | {lock / manual:.2f}x |")
     lines += ["", "![bar chart](bench-ddp.png)", "",
+              "## What the diagnostics cost",
+              "",
+              "`LOCKSTEP_DEBUG=DETAIL` makes the ranks compare every collective through the store",
+              "before running it: a round trip to the store, and a wait for the slowest rank, at",
+              "each bucket's launch. It is measured within one run that switches the comparison",
+              "off and on every 5 iterations (`bench_ddp MODEL detail_ab`), so that the machine's",
+              "drift cancels out. The timeline (`LOCKSTEP_TIMELINE`) is a separate run, beside",
+              "the lockstep column above, and within this machine's noise. Default lockstep keeps",
+              "one store write per collective (the ledger that names missing ranks in a timeout),",
+              "included in every lockstep figure.",
+              "",
+              "| model | lockstep (DETAIL off) | DETAIL on | DETAIL costs | lockstep | with timeline | timeline costs |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
+    for model, label in MODELS:
+        off = best.get((model, "lockstep_ab"), (float("nan"),))[0]
+        detail = best.get((model, "lockstep_detail"), (float("nan"),))[0]
+        base = best.get((model, "lockstep"), (float("nan"),))[0]
+        timeline = best.get((model, "lockstep_timeline"), (float("nan"),))[0]
+        lines.append(f"| {label} | {off:.1f} ms | {detail:.1f} ms | {detail - off:+.1f} ms "
+                     f"({detail / off:.2f}x) | {base:.1f} ms | {timeline:.1f} ms | "
+                     f"{timeline - base:+.1f} ms |")
+    lines += ["",
               "## Where lockstep's time goes",
               "",
               "From `DdpStats` on rank 0, last round (mean per iteration):",

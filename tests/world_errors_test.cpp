@@ -216,6 +216,28 @@ TEST(WorldErrors, CollectiveWithAMissingPeerTimesOut) {
   EXPECT_TRUE(result.ok()) << result.report();
 }
 
+TEST(WorldErrors, UnderDetailAMissingPeerIsNamedBeforeTheCollectiveStarts) {
+  LaunchOptions options;
+  options.environment = [](int, RankEnvironment& env) {
+    env["LOCKSTEP_TIMEOUT"] = "2";
+    env["LOCKSTEP_DEBUG"] = "DETAIL";
+  };
+  auto result = launch_ranks(options, [](int rank) {
+    World world = init();
+    if (rank == 1) {
+      std::this_thread::sleep_for(std::chrono::seconds(6));
+      return;
+    }
+    auto tensor = at::ones({16});
+    expect_error<TimeoutError>(
+        [&] { world.all_reduce(tensor); },
+        {"rank 0: collective #1 (all_reduce of Float [16]) never started: rank(s) 1 never "
+         "reached it (reached: 0) within 2 s. A rank that skips a forward or a backward the "
+         "others run leaves them waiting."});
+  });
+  EXPECT_TRUE(result.ok()) << result.report();
+}
+
 TEST(WorldErrors, CollectiveWithAPeerThatExited) {
   LaunchOptions options;
   options.world_size = 2;
@@ -227,8 +249,11 @@ TEST(WorldErrors, CollectiveWithAPeerThatExited) {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
     auto tensor = at::ones({16});
-    expect_error<Error>([&] { world.all_reduce(tensor); },
-                        {"rank 0: all_reduce of Float [16]"});
+    expect_error<CollectiveError>(
+        [&] { world.all_reduce(tensor); },
+        {"rank 0: all_reduce of Float [16] #2 failed: rank(s) 1 never reached it "
+         "(reached: 0), most likely because it exited; its own output says why.\n"
+         "  cause: "});
   });
   EXPECT_TRUE(result.ok()) << result.report();
 }

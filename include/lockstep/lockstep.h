@@ -6,6 +6,7 @@
 #include <lockstep/ddp.h>
 #include <lockstep/ddp_options.h>
 #include <lockstep/ddp_stats.h>
+#include <lockstep/debug_level.h>
 #include <lockstep/error.h>
 #include <lockstep/timeline.h>
 #include <lockstep/world.h>

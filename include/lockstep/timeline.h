@@ -20,7 +20,7 @@ bool timeline_enabled();
 ///   { lockstep::TimelineSpan span("optimizer step"); optimizer.step(); }
 ///
 /// Costs one atomic load when no timeline is recorded. Spans nest as the
-/// scopes that hold them do.
+/// scopes that hold them do. `name` must outlive the span (a literal does).
 class TimelineSpan {
  public:
   explicit TimelineSpan(const char* name);

@@ -105,6 +105,7 @@ void Reducer::State::open_iteration() {
   }
   next_launch = 0;
   in_flight.assign(buckets.size(), std::nullopt);
+  in_flight_what.assign(buckets.size(), "");
   launch_ms.assign(buckets.size(), 0.0);
   bucket_first.assign(buckets.size(), Clock::time_point{});
   bucket_ready.assign(buckets.size(), Clock::time_point{});
@@ -157,12 +158,13 @@ void Reducer::State::launch_ready_buckets(bool include_last) {
     }
     bucket_launch[next_launch] = Clock::now();
     launch_ms[next_launch] = ms_between(first_gradient, bucket_launch[next_launch]);
+    in_flight_what[next_launch] = str(
+        "all_reduce of ", describe_bucket(next_launch),
+        backward_of_forward > 0
+            ? str(" in the backward of forward ", backward_of_forward)
+            : std::string(" in a backward that bypassed the wrapper"));
     in_flight[next_launch] = world.all_reduce_async(
-        bucket.buffer(), ReduceOp::Sum,
-        str("all_reduce of ", describe_bucket(next_launch),
-            backward_of_forward > 0
-                ? str(" in the backward of forward ", backward_of_forward)
-                : std::string(" in a backward that bypassed the wrapper")));
+        bucket.buffer(), ReduceOp::Sum, in_flight_what[next_launch]);
     stats.last.bytes_reduced += bucket.bytes();
     ++next_launch;
   }
@@ -266,17 +268,19 @@ void Reducer::State::finalize() {
 
 void Reducer::State::record_timeline(Clock::time_point wait_start,
                                      Clock::time_point wait_end) const {
-  // Recorded at the end, when every time is known: the buckets were
-  // relaid after the first iteration, and spans name the layout they ran in.
+  // Recorded once the iteration is over, when every all-reduce's completion
+  // time is known.
   const auto& loop = timeline::kLoopTrack;
   auto it = str(iteration);
   timeline::record(loop, "backward", first_gradient, Clock::now(), {{"iteration", it}});
   timeline::record(loop, "waiting for buckets", wait_start, wait_end, {{"iteration", it}});
   for (size_t b = 0; b < in_flight.size(); ++b) {
     auto track = str("bucket ", b);
-    timeline::Args args{{"iteration", it}, {"bucket", describe_bucket(b)}};
+    timeline::Args args{{"iteration", it}, {"collective", in_flight_what[b]}};
     timeline::record(track, "gradients", bucket_first[b], bucket_ready[b], args);
-    if (bucket_launch[b] > bucket_ready[b]) {
+    // A bucket launched as it filled is queued only for the launch call
+    // itself, which is not worth a span.
+    if (bucket_launch[b] - bucket_ready[b] > std::chrono::microseconds(50)) {
       timeline::record(track, "queued", bucket_ready[b], bucket_launch[b], args);
     }
     timeline::record(track, "all_reduce", bucket_launch[b], in_flight[b]->completed_at(), args);

@@ -77,6 +77,9 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   size_t next_launch = 0;
   std::vector<std::optional<PendingCollective>> in_flight;
   std::vector<double> launch_ms;
+  // What each bucket's all-reduce is, as named in errors and the timeline
+  // (kept: the first iteration ends by relaying the buckets).
+  std::vector<std::string> in_flight_what;
   // For the timeline, per bucket: its first gradient, its last, its launch.
   std::vector<Clock::time_point> bucket_first;
   std::vector<Clock::time_point> bucket_ready;

@@ -1,5 +1,6 @@
 #include "timeline/recorder.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
