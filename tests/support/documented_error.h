@@ -6,7 +6,12 @@
 // code. In a documented message, "…" stands for text that varies between
 // runs (the backend's own words, for instance).
 
+#include <functional>
 #include <string>
+
+#include <gtest/gtest.h>
+
+#include "support/expect_error.h"
 
 namespace lockstep::testing {
 
@@ -16,31 +21,15 @@ std::string documented_message(const std::string& name);
 /// Whether `message` reads as `pattern`, where each "…" matches any text.
 bool matches_documented(const std::string& message, const std::string& pattern);
 
-} // namespace lockstep::testing
-
-#include <functional>
-
-#include <gtest/gtest.h>
-
-namespace lockstep::testing {
-
 /// Runs `action`, expects it to throw `ErrorType` and its text to read as
 /// the documented message `name`.
 template <typename ErrorType>
 void expect_documented_error(const std::function<void()>& action, const std::string& name) {
-  try {
-    action();
-  } catch (const ErrorType& e) {
-    std::string documented = documented_message(name);
-    EXPECT_TRUE(matches_documented(e.what(), documented))
-        << "docs/troubleshooting.md, message '" << name << "', reads:\n"
-        << documented << "\nbut the error reads:\n" << e.what();
-    return;
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "threw another error type: " << e.what();
-    return;
-  }
-  ADD_FAILURE() << "expected the error '" << name << "', nothing was thrown";
+  std::string message = expect_error<ErrorType>(action, {});
+  std::string documented = documented_message(name);
+  EXPECT_TRUE(matches_documented(message, documented))
+      << "docs/troubleshooting.md, message '" << name << "', reads:\n"
+      << documented << "\nbut the error reads:\n" << message;
 }
 
 } // namespace lockstep::testing
