@@ -10,6 +10,8 @@
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/nn/module.h>
 
+#include "world/rendezvous.h"
+
 namespace lockstep::detail {
 namespace {
 
@@ -33,11 +35,7 @@ std::vector<std::string> split_lines(const std::string& text) {
 }
 
 std::string ranks_text(const std::vector<int>& ranks) {
-  std::string out = ranks.size() == 1 ? "rank " : "ranks ";
-  for (size_t i = 0; i < ranks.size(); ++i) {
-    out += (i == 0 ? "" : ", ") + std::to_string(ranks[i]);
-  }
-  return out;
+  return (ranks.size() == 1 ? "rank " : "ranks ") + rank_list(ranks);
 }
 
 } // namespace

@@ -63,7 +63,7 @@ void Ledger::arrive(uint64_t seq, const std::string& what) {
       LOCKSTEP_FAIL(
           TimeoutError, "rank ", rank_, ": collective #", seq, " (", what,
           ") never started: ", attendance(seq), " within ",
-          timeout_.count() / 1000.0, " s. A rank that skips a forward or a "
+          seconds(timeout_), ". A rank that skips a forward or a "
           "backward the others run leaves them waiting.");
     }
     auto bytes = store_->get(key(seq, rank));

@@ -31,9 +31,6 @@ std::string text(const std::vector<uint8_t>& value) {
   return {value.begin(), value.end()};
 }
 
-std::string seconds(std::chrono::milliseconds duration) {
-  return str(static_cast<double>(duration.count()) / 1000.0, " s");
-}
 
 std::string hostname() {
   char name[256] = {};
@@ -209,6 +206,10 @@ std::string rank_list(const std::vector<int>& ranks) {
     out += (i == 0 ? "" : ", ") + std::to_string(ranks[i]);
   }
   return out.empty() ? "none" : out;
+}
+
+std::string seconds(std::chrono::milliseconds duration) {
+  return str(static_cast<double>(duration.count()) / 1000.0, " s");
 }
 
 std::string master_endpoint(const WorldConfig& config) {

@@ -4,6 +4,7 @@
 // has joined, with errors that name the address, the port and the missing
 // ranks instead of a bare timeout.
 
+#include <chrono>
 #include <string>
 #include <vector>
 
@@ -33,6 +34,9 @@ std::string local_address_towards(const std::string& host);
 
 /// Ranks as "0, 2, 3", or "none", for messages.
 std::string rank_list(const std::vector<int>& ranks);
+
+/// A limit as "2.5 s", for messages.
+std::string seconds(std::chrono::milliseconds duration);
 
 /// "address:port" of the master, for messages.
 std::string master_endpoint(const WorldConfig& config);

@@ -82,7 +82,7 @@ void complete(
     if (cause.find("imed out") != std::string::npos) {
       LOCKSTEP_FAIL(
           TimeoutError, "rank ", config.rank, ": ", what,
-          " did not complete within ", config.timeout.count() / 1000.0, " s: ",
+          " did not complete within ", detail::seconds(config.timeout), ": ",
           impl.ledger ? impl.ledger->attendance(seq) : std::string("a peer is not taking part"),
           ". A rank that stopped, or runs a different collective, leaves the "
           "others waiting; raise the limit with LOCKSTEP_TIMEOUT (seconds) "
@@ -301,7 +301,7 @@ std::vector<std::string> World::all_gather_strings(const std::string& value) {
       LOCKSTEP_FAIL(
           TimeoutError, "rank ", this->rank(), ": all_gather_strings #",
           round, " did not receive rank ", rank, "'s value within ",
-          timeout().count() / 1000.0, " s; that rank is not taking part.\n"
+          detail::seconds(timeout()), "; that rank is not taking part.\n"
           "  cause: ", detail::describe_exception(e));
     }
   }
