@@ -2,8 +2,7 @@
 // an error on every rank that says what is wrong; a crash in the middle of
 // a save leaves the previous checkpoint whole.
 
-#include <unistd.h>
-
+#include <cstdlib>
 #include <fstream>
 
 #include <gtest/gtest.h>
@@ -15,6 +14,7 @@
 #include "support/expect_error.h"
 #include "support/models.h"
 #include "support/multiprocess.h"
+#include "support/scratch_folder.h"
 #include "support/training.h"
 
 namespace lockstep::testing {
@@ -34,11 +34,6 @@ LaunchOptions with_shared_folder(int world_size, const std::string& folder) {
   return options;
 }
 
-std::string make_folder() {
-  char folder[] = "/tmp/lockstep-checkpoint-XXXXXX";
-  return ::mkdtemp(folder);
-}
-
 void train_step(DDP<Mlp>& ddp, torch::optim::Optimizer& optimizer, int step, int rank, int n) {
   auto [x, y] = global_batch(step, 4 * n, {20});
   optimizer.zero_grad();
@@ -47,8 +42,8 @@ void train_step(DDP<Mlp>& ddp, torch::optim::Optimizer& optimizer, int step, int
 }
 
 TEST(Checkpoint, RoundTripRestoresModelOptimizerExtraAndRandomState) {
-  std::string folder = make_folder();
-  auto result = launch_ranks(with_shared_folder(2, folder), [](int rank) {
+  ScratchFolder folder("checkpoint");
+  auto result = launch_ranks(with_shared_folder(2, folder.path()), [](int rank) {
     World world = init();
     for (auto read : {CheckpointRead::EveryRank, CheckpointRead::RankZeroBroadcasts}) {
       torch::manual_seed(1);
@@ -79,12 +74,11 @@ TEST(Checkpoint, RoundTripRestoresModelOptimizerExtraAndRandomState) {
     }
   });
   EXPECT_TRUE(result.ok()) << result.report();
-  std::system(("rm -rf " + folder).c_str());
 }
 
 TEST(Checkpoint, BadFilesAreClearErrorsOnEveryRank) {
-  std::string folder = make_folder();
-  auto result = launch_ranks(with_shared_folder(2, folder), [](int) {
+  ScratchFolder folder("checkpoint");
+  auto result = launch_ranks(with_shared_folder(2, folder.path()), [](int) {
     World world = init();
     torch::manual_seed(1);
     Mlp model;
@@ -128,12 +122,11 @@ TEST(Checkpoint, BadFilesAreClearErrorsOnEveryRank) {
     load_checkpoint(world, good, *model, optimizer);
   });
   EXPECT_TRUE(result.ok()) << result.report();
-  std::system(("rm -rf " + folder).c_str());
 }
 
 TEST(Checkpoint, ACrashDuringASaveLeavesThePreviousOneLoadable) {
-  std::string folder = make_folder();
-  auto crashed = launch_ranks(with_shared_folder(1, folder), [](int) {
+  ScratchFolder folder("checkpoint");
+  auto crashed = launch_ranks(with_shared_folder(1, folder.path()), [](int) {
     World world = init();
     torch::manual_seed(1);
     Mlp model;
@@ -156,7 +149,7 @@ TEST(Checkpoint, ACrashDuringASaveLeavesThePreviousOneLoadable) {
     ASSERT_EQ(crashed.ranks[0].exit_code, 3) << crashed.report();
   }
 
-  auto reloaded = launch_ranks(with_shared_folder(1, folder), [](int) {
+  auto reloaded = launch_ranks(with_shared_folder(1, folder.path()), [](int) {
     World world = init();
     torch::manual_seed(1);
     Mlp model;
@@ -165,7 +158,6 @@ TEST(Checkpoint, ACrashDuringASaveLeavesThePreviousOneLoadable) {
     EXPECT_EQ(extra.epoch, 1);
   });
   EXPECT_TRUE(reloaded.ok()) << reloaded.report();
-  std::system(("rm -rf " + folder).c_str());
 }
 
 } // namespace

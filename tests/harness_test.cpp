@@ -12,6 +12,7 @@
 
 #include "support/documented_error.h"
 #include "support/multiprocess.h"
+#include "support/scratch_folder.h"
 
 namespace lockstep::testing {
 namespace {
@@ -71,8 +72,11 @@ TEST(Harness, TimeoutAlsoKillsWhatARankStarted) {
   options.timeout = std::chrono::milliseconds(1000);
   // The rank re-runs this test from its start, so the marker's name reaches
   // it through the environment rather than through a local variable.
-  std::string path = "/tmp/lockstep-harness-" + std::to_string(::getpid());
-  std::fclose(std::fopen(path.c_str(), "w"));
+  ScratchFolder folder("harness");
+  std::string path = folder / "marker";
+  if (!in_rank_process()) {
+    std::fclose(std::fopen(path.c_str(), "w"));
+  }
   options.environment = [&](int, RankEnvironment& env) {
     env["LOCKSTEP_HARNESS_MARKER"] = path;
   };
@@ -87,7 +91,6 @@ TEST(Harness, TimeoutAlsoKillsWhatARankStarted) {
   std::this_thread::sleep_for(std::chrono::milliseconds(3500));
   EXPECT_EQ(::access(path.c_str(), F_OK), 0)
       << "the grandchild survived the rank's timeout";
-  ::unlink(path.c_str());
 }
 
 TEST(Harness, ACrashingRankIsReportedWithItsSignal) {

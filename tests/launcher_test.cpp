@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include "support/process.h"
+#include "support/scratch_folder.h"
 
 namespace lockstep::testing {
 namespace {
@@ -76,9 +77,9 @@ TEST(Launcher, ARankThatIgnoresSigtermIsKilledAfterTheGrace) {
 }
 
 TEST(Launcher, ForwardsSigintToEveryRank) {
-  char folder[] = "/tmp/lockstep-launcher-XXXXXX";
-  ASSERT_NE(::mkdtemp(folder), nullptr);
-  std::string marks = folder;
+  ScratchFolder folder("launcher");
+  ASSERT_FALSE(folder.path().empty());
+  const std::string& marks = folder.path();
   Process launcher({LOCKSTEP_RUN_BINARY, "--nproc-per-node", "2", "--", "sh", "-c",
                     "trap 'echo got > " + marks + "/int-$RANK; exit 0' INT; "
                     "touch " + marks + "/ready-$RANK; while true; do sleep 0.1; done"},
@@ -95,13 +96,12 @@ TEST(Launcher, ForwardsSigintToEveryRank) {
   EXPECT_EQ(::access((marks + "/int-0").c_str(), F_OK), 0) << result.output;
   EXPECT_EQ(::access((marks + "/int-1").c_str(), F_OK), 0) << result.output;
   EXPECT_TRUE(contains(result.output, "passing it to every rank"));
-  std::system(("rm -rf " + marks).c_str());
 }
 
 TEST(Launcher, WritesOneLogPerRank) {
-  char folder[] = "/tmp/lockstep-launcher-XXXXXX";
-  ASSERT_NE(::mkdtemp(folder), nullptr);
-  std::string logs = std::string(folder) + "/logs";
+  ScratchFolder folder("launcher");
+  ASSERT_FALSE(folder.path().empty());
+  std::string logs = folder / "logs";
   auto result = launch({"--nproc-per-node", "2", "--log-dir", logs, "--", "sh", "-c",
                         "echo hello from $RANK"});
   ASSERT_TRUE(result.ok()) << result.output;
@@ -111,7 +111,6 @@ TEST(Launcher, WritesOneLogPerRank) {
     std::getline(log, line);
     EXPECT_EQ(line, "hello from " + std::to_string(rank));
   }
-  std::system(("rm -rf " + std::string(folder)).c_str());
 }
 
 TEST(Launcher, RestartsEveryRankAfterAFailure) {

@@ -2,14 +2,14 @@
 // restart after a rank was killed. Short runs (--max-steps); the accuracy
 // run of the demo is the separate ctest entry mnist.demo_accuracy.
 
-#include <unistd.h>
-
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 
 #include <gtest/gtest.h>
 
 #include "support/multiprocess.h"
+#include "support/scratch_folder.h"
 #include "support/process.h"
 
 namespace lockstep::testing {
@@ -51,23 +51,6 @@ std::string read_all(const std::string& path) {
   return bytes.str();
 }
 
-class ScratchFolder {
- public:
-  ScratchFolder() {
-    char folder[] = "/tmp/lockstep-mnist-XXXXXX";
-    path_ = ::mkdtemp(folder);
-  }
-  ~ScratchFolder() {
-    std::system(("rm -rf " + path_).c_str());
-  }
-  std::string operator/(const std::string& name) const {
-    return path_ + "/" + name;
-  }
-
- private:
-  std::string path_;
-};
-
 TEST(MnistJob, RunsAsOnePlainProcess) {
   auto result = run_process(job({}), {{"RANK", ""}, {"WORLD_SIZE", ""}});
   ASSERT_TRUE(result.ok()) << result.output;
@@ -107,7 +90,7 @@ TEST(MnistJob, MissingDataSaysWhereItLookedAndHowToGetIt) {
 }
 
 TEST(MnistJob, ResumeAfterAnEpochIsBitwiseExact) {
-  ScratchFolder scratch;
+  ScratchFolder scratch("mnist");
   auto whole = run_process(under_launcher(
       {"--nproc-per-node", "2"},
       job({"--epochs", "2", "--save-parameters", scratch / "uninterrupted.bin"})));
@@ -131,7 +114,7 @@ TEST(MnistJob, ResumeAfterAnEpochIsBitwiseExact) {
 }
 
 TEST(MnistJob, ARankKilledMidEpochIsRestartedFromTheCheckpoint) {
-  ScratchFolder scratch;
+  ScratchFolder scratch("mnist");
   auto whole = run_process(under_launcher(
       {"--nproc-per-node", "2"},
       job({"--epochs", "2", "--save-parameters", scratch / "uninterrupted.bin"})));

@@ -1,10 +1,7 @@
 // LOCKSTEP_TIMELINE: every rank writes its spans, lockstep-trace merges
 // them, and the merged trace holds what docs/timeline.md promises.
 
-#include <unistd.h>
-
 #include <cstdlib>
-#include <filesystem>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -13,19 +10,15 @@
 
 #include "support/models.h"
 #include "support/multiprocess.h"
+#include "support/scratch_folder.h"
 #include "support/training.h"
 
 namespace lockstep::testing {
 namespace {
 
 TEST(Timeline, RanksRecordForwardBackwardBucketsBroadcastsAndUserSpans) {
-  auto dir = std::filesystem::temp_directory_path() /
-      ("lockstep-timeline-" + std::to_string(getpid()));
-  std::string prefix = (dir / "trace").string();
-  if (!in_rank_process()) {
-    std::filesystem::remove_all(dir);
-    std::filesystem::create_directories(dir);
-  }
+  ScratchFolder folder("timeline");
+  std::string prefix = folder / "trace";
   LaunchOptions options;
   options.world_size = 2;
   options.environment = [&](int, RankEnvironment& env) {
@@ -63,7 +56,6 @@ TEST(Timeline, RanksRecordForwardBackwardBucketsBroadcastsAndUserSpans) {
   auto checked = run_process({"python3", LOCKSTEP_SOURCE_DIR "/tests/scripts/check-timeline",
                               prefix + ".json", "2"});
   EXPECT_TRUE(checked.ok()) << checked.status() << "\n" << checked.output;
-  std::filesystem::remove_all(dir);
 }
 
 TEST(Timeline, AnUnwritablePathIsAConfigError) {
