@@ -135,11 +135,14 @@ void Reducer::State::mark_ready(size_t index, bool used) {
   }
   bucket.flags()[static_cast<int64_t>(k)].fill_(contributes ? 1 : 0);
   size_t b = bucket_of[index];
-  if (timeline::enabled() && bucket_first[b] == Clock::time_point{}) {
+  bool tracing = timeline::enabled();
+  if (tracing && bucket_first[b] == Clock::time_point{}) {
     bucket_first[b] = Clock::now();
   }
   if (--pending[b] == 0) {
-    bucket_ready[b] = Clock::now();
+    if (tracing) {
+      bucket_ready[b] = Clock::now();
+    }
     launch_ready_buckets(/*include_last=*/false);
   }
 }
