@@ -140,6 +140,8 @@ TEST_P(Behaviour, NoSyncAccumulatesThenAveragesTheSum) {
     Branchy model;
     torch::manual_seed(5);
     Branchy reference;
+    model->to(torch::kDouble);
+    reference->to(torch::kDouble);
     DDP<Branchy> ddp(model, world);
     torch::optim::SGD optimizer(model->parameters(), 0.1);
     torch::optim::SGD reference_optimizer(reference->parameters(), 0.1);
@@ -149,6 +151,8 @@ TEST_P(Behaviour, NoSyncAccumulatesThenAveragesTheSum) {
       // Micro-batch m uses head m: head_a only in the first, local one.
       for (int micro = 0; micro < 3; ++micro) {
         auto [x, y] = global_batch(10 * step + micro, 4 * n, {20});
+        x = x.to(torch::kDouble);
+        y = y.to(torch::kDouble);
         auto shard = [&](const torch::Tensor& t) { return t.narrow(0, 4 * rank, 4); };
         if (micro < 2) {
           auto guard = ddp.no_sync();
@@ -161,7 +165,7 @@ TEST_P(Behaviour, NoSyncAccumulatesThenAveragesTheSum) {
       optimizer.step();
       reference_optimizer.step();
       std::string context = "after step " + std::to_string(step);
-      expect_close_parameters(*model, *reference, 1e-5, context);
+      expect_close_parameters(*model, *reference, kFloat64Tolerance, context);
       expect_same_on_every_rank(world, flatten(model->parameters()), context);
     }
     EXPECT_EQ(ddp.stats().iterations, 3);

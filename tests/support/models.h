@@ -124,10 +124,12 @@ struct MixedPrecisionImpl : torch::nn::Module {
     f64->to(torch::kDouble);
     bf16->to(torch::kBFloat16);
   }
+  // Each layer's input in that layer's dtype, so that the whole model
+  // converted to float64 computes the exact counterpart.
   torch::Tensor forward(torch::Tensor x) {
-    x = torch::relu(f32(x)).to(torch::kDouble);
-    x = torch::relu(f64(x)).to(torch::kBFloat16);
-    return bf16(x).to(torch::kFloat);
+    x = torch::relu(f32(x.to(f32->weight.scalar_type())));
+    x = torch::relu(f64(x.to(f64->weight.scalar_type())));
+    return bf16(x.to(bf16->weight.scalar_type())).to(f32->weight.scalar_type());
   }
   torch::nn::Linear f32, f64, bf16;
 };

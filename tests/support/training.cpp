@@ -1,5 +1,8 @@
 #include "support/training.h"
 
+#include <cmath>
+#include <map>
+
 #include <ATen/CPUGeneratorImpl.h>
 
 namespace lockstep::testing {
@@ -57,6 +60,59 @@ void expect_close_parameters(
     EXPECT_TRUE(torch::allclose(a, b, tolerance, tolerance))
         << item.key() << " " << context << ": differs from the one-process "
         << "reference by up to " << (a - b).abs().max().item<double>();
+  }
+}
+
+namespace {
+
+// The distance from 1 to the next representable value.
+double precision_unit(torch::Dtype dtype) {
+  switch (dtype) {
+    case torch::kDouble:
+      return std::ldexp(1.0, -52);
+    case torch::kFloat:
+      return std::ldexp(1.0, -23);
+    case torch::kHalf:
+      return std::ldexp(1.0, -10);
+    case torch::kBFloat16:
+      return std::ldexp(1.0, -7);
+    default:
+      ADD_FAILURE() << "no precision for " << dtype;
+      return 0;
+  }
+}
+
+} // namespace
+
+void expect_as_close_to_exact(
+    torch::nn::Module& actual,
+    torch::nn::Module& reference,
+    torch::nn::Module& exact,
+    const std::string& context) {
+  auto actual_params = actual.named_parameters();
+  auto reference_params = reference.named_parameters();
+  auto exact_params = exact.named_parameters();
+  std::map<torch::Dtype, std::vector<std::string>> by_dtype;
+  for (const auto& item : actual_params) {
+    by_dtype[item.value().scalar_type()].push_back(item.key());
+  }
+  for (const auto& [dtype, names] : by_dtype) {
+    auto gather = [&](const torch::OrderedDict<std::string, torch::Tensor>& params) {
+      std::vector<torch::Tensor> tensors;
+      for (const auto& name : names) {
+        tensors.push_back(params[name]);
+      }
+      return flatten(tensors);
+    };
+    auto exact_values = gather(exact_params);
+    double actual_distance = (gather(actual_params) - exact_values).abs().max().item<double>();
+    double reference_distance =
+        (gather(reference_params) - exact_values).abs().max().item<double>();
+    double unit = precision_unit(dtype);
+    double allowed = 8 * reference_distance + 2 * unit * exact_values.abs().max().item<double>();
+    EXPECT_LE(actual_distance, allowed)
+        << context << ", " << dtype << " parameters: the DDP model is " << actual_distance
+        << " from the float64 trajectory, the one-process model " << reference_distance;
   }
 }
 
