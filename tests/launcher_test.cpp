@@ -42,6 +42,16 @@ TEST(Launcher, GivesEveryRankItsVariablesAndPrefixesItsLines) {
   EXPECT_FALSE(contains(result.output, "master=127.0.0.1:0 ")) << "no port was picked";
 }
 
+TEST(Launcher, PassesTheJobId) {
+  // Replacing the value it inherited.
+  auto result = launch({"--nproc-per-node", "2", "--job-id", "nightly-7", "--", "sh", "-c",
+                        "echo job=$LOCKSTEP_JOB_ID"},
+                       {{"LOCKSTEP_JOB_ID", "inherited"}});
+  ASSERT_TRUE(result.ok()) << result.output;
+  EXPECT_TRUE(contains(result.output, "[0] job=nightly-7")) << result.output;
+  EXPECT_TRUE(contains(result.output, "[1] job=nightly-7")) << result.output;
+}
+
 TEST(Launcher, NodeRankShiftsTheGlobalRanks) {
   auto result = launch({"--nproc-per-node", "2", "--nnodes", "3", "--node-rank", "2",
                         "--master-addr", "127.0.0.1", "--master-port", "29999", "--",

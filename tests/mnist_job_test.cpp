@@ -2,6 +2,8 @@
 // restart after a rank was killed. Short runs (--max-steps); the accuracy
 // run of the demo is the separate ctest entry mnist.demo_accuracy.
 
+#include <sys/stat.h>
+
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
@@ -87,6 +89,27 @@ TEST(MnistJob, MissingDataSaysWhereItLookedAndHowToGetIt) {
   EXPECT_EQ(result.exit_code, 1);
   EXPECT_TRUE(contains(result.output, "no MNIST data in /nonexistent/mnist")) << result.output;
   EXPECT_TRUE(contains(result.output, "Run scripts/setup")) << result.output;
+}
+
+TEST(MnistJob, HelpPrintsTheUsage) {
+  auto result = run_process({MNIST_TRAIN_BINARY, "--help"});
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_EQ(result.output.rfind("usage: mnist_train [flags]", 0), 0u) << result.output;
+  EXPECT_FALSE(contains(result.output, "unknown flag")) << result.output;
+}
+
+TEST(MnistJob, ACheckpointPathThatIsAFolderFailsBeforeTraining) {
+  ScratchFolder folder("unwritable");
+  std::string blocked = folder / "checkpoint.pt";
+  ASSERT_EQ(::mkdir(blocked.c_str(), 0700), 0);
+  auto result = run_process(
+      under_launcher({"--nproc-per-node", "2"}, job({"--checkpoint-dir", folder.path()})));
+  EXPECT_FALSE(result.ok());
+  EXPECT_TRUE(contains(result.output, "mnist_train: cannot write the checkpoint " + blocked +
+                                          ": it is a directory. Remove it, or pass another "
+                                          "--checkpoint-dir."))
+      << result.output;
+  EXPECT_FALSE(contains(result.output, " step ")) << "it trained first:\n" << result.output;
 }
 
 TEST(MnistJob, ResumeAfterAnEpochIsBitwiseExact) {

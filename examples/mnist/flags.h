@@ -7,6 +7,10 @@
 #include <stdexcept>
 #include <string>
 #include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 
 namespace mnist {
 
@@ -22,6 +26,7 @@ inline const char* const kUsage = R"(usage: mnist_train [flags]
   --max-steps N          at most N steps per epoch (for quick runs)
   --threads N            intra-op threads per rank (default 1)
   --save-parameters FILE rank 0 writes the final parameters as raw bytes (for tests)
+  --help                 this text
 )";
 
 class FlagError : public std::runtime_error {
@@ -41,6 +46,7 @@ struct Flags {
   int64_t max_steps = 0;
   int threads = 1;
   std::string save_parameters;
+  bool help = false;
 };
 
 inline Flags parse_flags(int argc, char** argv) {
@@ -86,6 +92,8 @@ inline Flags parse_flags(int argc, char** argv) {
       flags.threads = static_cast<int>(std::max<int64_t>(1, number()));
     } else if (arg == "--save-parameters") {
       flags.save_parameters = value();
+    } else if (arg == "--help" || arg == "-h") {
+      flags.help = true;
     } else {
       throw FlagError("unknown flag '" + arg + "'");
     }
@@ -107,6 +115,23 @@ inline void require_data(const std::string& folder) {
           "--data DIR (or set LOCKSTEP_DATA_DIR) to a folder with the four "
           "IDX files.");
     }
+  }
+}
+
+/// Raises, before any training, when `path` (the checkpoint file) cannot be
+/// written: an epoch of work would otherwise be lost at the first save.
+inline void require_writable_checkpoint(const std::string& path) {
+  struct stat info {};
+  if (::stat(path.c_str(), &info) == 0 && S_ISDIR(info.st_mode)) {
+    throw std::runtime_error("mnist_train: cannot write the checkpoint " + path +
+                             ": it is a directory. Remove it, or pass another "
+                             "--checkpoint-dir.");
+  }
+  std::string folder = path.substr(0, path.rfind('/'));
+  if (::access(folder.c_str(), W_OK) != 0) {
+    throw std::runtime_error("mnist_train: cannot write the checkpoint " + path + ": " +
+                             std::strerror(errno) + " for " + folder +
+                             ". Pass a --checkpoint-dir this process can write.");
   }
 }
 

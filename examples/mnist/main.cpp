@@ -116,6 +116,12 @@ void maybe_crash(const lockstep::World& world, int64_t epoch, int64_t step) {
 int run(const mnist::Flags& flags) {
   at::set_num_threads(flags.threads);
   mnist::require_data(flags.data);
+  std::string checkpoint;
+  if (!flags.checkpoint_dir.empty()) {
+    std::filesystem::create_directories(flags.checkpoint_dir);
+    checkpoint = flags.checkpoint_dir + "/checkpoint.pt";
+    mnist::require_writable_checkpoint(checkpoint);
+  }
   lockstep::World world = lockstep::init();
   bool lead = world.rank() == 0;
   torch::manual_seed(flags.seed);
@@ -124,11 +130,6 @@ int run(const mnist::Flags& flags) {
   torch::optim::SGD optimizer(
       model->parameters(), torch::optim::SGDOptions(flags.lr).momentum(0.9));
 
-  std::string checkpoint;
-  if (!flags.checkpoint_dir.empty()) {
-    std::filesystem::create_directories(flags.checkpoint_dir);
-    checkpoint = flags.checkpoint_dir + "/checkpoint.pt";
-  }
   int64_t first_epoch = 1;
   if (flags.resume && !checkpoint.empty() && lockstep::checkpoint_exists(checkpoint)) {
     auto extra = lockstep::load_checkpoint(world, checkpoint, *model, optimizer);
@@ -222,7 +223,12 @@ int run(const mnist::Flags& flags) {
 
 int main(int argc, char** argv) {
   try {
-    return run(mnist::parse_flags(argc, argv));
+    auto flags = mnist::parse_flags(argc, argv);
+    if (flags.help) {
+      std::cout << mnist::kUsage;
+      return 0;
+    }
+    return run(flags);
   } catch (const mnist::FlagError& e) {
     std::cerr << "mnist_train: " << e.what() << "\n" << mnist::kUsage;
     return 2;

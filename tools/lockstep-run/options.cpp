@@ -19,6 +19,9 @@ options:
                        (default 127.0.0.1; required when M > 1)
   --master-port P      the store's TCP port (default: a free port when
                        M = 1; required when M > 1)
+  --job-id ID          the job's id (LOCKSTEP_JOB_ID), the same on every
+                       node: a rank of another job given the same address
+                       and port is then refused instead of joining this one
   --log-dir D          write each rank's output to D/rank-R.log instead of
                        prefixing its lines with [R] here
   --max-restarts R     after a failure, restart all ranks of this machine,
@@ -79,6 +82,8 @@ RunOptions parse_options(int argc, char** argv) {
     } else if (arg == "--master-port") {
       options.master_port = parse_int(arg, value(arg), 1);
       port_given = true;
+    } else if (arg == "--job-id") {
+      options.job_id = value(arg);
     } else if (arg == "--log-dir") {
       options.log_dir = value(arg);
     } else if (arg == "--max-restarts") {

@@ -14,6 +14,7 @@ struct RunOptions {
   int node_rank = 0;
   std::string master_addr = "127.0.0.1";
   int master_port = 0; // 0: pick a free one (single node only)
+  std::string job_id; // empty: LOCKSTEP_JOB_ID as it is
   std::string log_dir; // empty: prefix lines on this terminal
   int max_restarts = 0;
   double grace_seconds = 3.0; // SIGTERM to SIGKILL when stopping ranks

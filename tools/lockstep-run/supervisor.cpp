@@ -1,5 +1,7 @@
 #include "supervisor.h"
 
+#include <algorithm>
+
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -64,7 +66,13 @@ void spawn(Rank& rank, const RunOptions& options, int local, int attempt, int po
   for (char** entry = environ; *entry != nullptr; ++entry) {
     env.emplace_back(*entry);
   }
+  // Replaces an inherited value: getenv() would find the first of two.
   auto set = [&](const std::string& name, const std::string& value) {
+    env.erase(std::remove_if(env.begin(), env.end(),
+                             [&](const std::string& entry) {
+                               return entry.compare(0, name.size() + 1, name + "=") == 0;
+                             }),
+              env.end());
     env.push_back(name + "=" + value);
   };
   set("RANK", std::to_string(rank.global));
@@ -75,6 +83,9 @@ void spawn(Rank& rank, const RunOptions& options, int local, int attempt, int po
   set("MASTER_ADDR", options.master_addr);
   set("MASTER_PORT", std::to_string(port));
   set("LOCKSTEP_RESTART_COUNT", std::to_string(attempt));
+  if (!options.job_id.empty()) {
+    set("LOCKSTEP_JOB_ID", options.job_id);
+  }
   std::vector<char*> envp;
   for (auto& entry : env) {
     envp.push_back(entry.data());
