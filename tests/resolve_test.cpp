@@ -8,6 +8,7 @@
 #include <lockstep/error.h>
 
 #include "support/expect_error.h"
+#include "world/rendezvous.h"
 #include "world/resolve.h"
 
 namespace lockstep::detail {
@@ -218,6 +219,64 @@ TEST(ResolveErrors, BadOptions) {
                       WorldOptions().rank(3).size(2));
   expect_config_error({}, {"WorldOptions::rank is set but WorldOptions::size"},
                       WorldOptions().rank(0));
+}
+
+TEST(Resolve, AJobOnOneHostMeetsInAFileStore) {
+  using StoreKind = WorldConfig::StoreKind;
+  Env one_host{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"},
+               {"MASTER_PORT", "29500"}};
+  EXPECT_EQ(resolve(one_host).store, StoreKind::File);
+  EXPECT_TRUE(resolve(one_host).single_host);
+  one_host["MASTER_ADDR"] = "localhost";
+  EXPECT_EQ(resolve(one_host).store, StoreKind::File);
+  // The launcher says every rank is local, whatever the address.
+  EXPECT_EQ(resolve(Env{kTorchrun}).store, StoreKind::Tcp);
+  Env all_local = kTorchrun;
+  all_local["LOCAL_WORLD_SIZE"] = "4";
+  EXPECT_EQ(resolve(all_local).store, StoreKind::File);
+  // Without local information and a remote address: maybe several hosts.
+  Env unknown{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "10.0.0.1"},
+              {"MASTER_PORT", "29500"}};
+  EXPECT_EQ(resolve(unknown).store, StoreKind::Tcp);
+  EXPECT_FALSE(resolve(unknown).single_host);
+  // torchrun's agent hosts a store of its own.
+  Env agent = one_host;
+  agent["TORCHELASTIC_USE_AGENT_STORE"] = "True";
+  EXPECT_EQ(resolve(agent).store, StoreKind::Tcp);
+  Env forced = one_host;
+  forced["LOCKSTEP_STORE"] = "tcp";
+  EXPECT_EQ(resolve(forced).store, StoreKind::Tcp);
+}
+
+TEST(ResolveErrors, BadStoreKind) {
+  Env env{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "10.0.0.1"},
+          {"MASTER_PORT", "29500"}, {"LOCKSTEP_STORE", "redis"}};
+  expect_config_error(env, {"LOCKSTEP_STORE='redis' is not a store kind; use auto, tcp or file."});
+  env["LOCKSTEP_STORE"] = "file";
+  expect_config_error(env, {"LOCKSTEP_STORE=file needs every rank on this host"});
+}
+
+TEST(ResolveErrors, BadJobId) {
+  expect_config_error({{"LOCKSTEP_JOB_ID", "my job"}},
+                      {"the job id 'my job'", "must be a non-empty word without spaces or '/'"});
+}
+
+TEST(Resolve, TheSecretComesFromTheOptionOrTheEnvironment) {
+  EXPECT_EQ(resolve({}).secret, "");
+  EXPECT_EQ(resolve({{"LOCKSTEP_JOB_SECRET", "abc"}}).secret, "abc");
+  EXPECT_EQ(resolve({{"LOCKSTEP_JOB_SECRET", "abc"}}, WorldOptions().secret("xyz")).secret,
+            "xyz");
+}
+
+TEST(RankList, ConsecutiveRanksBecomeRanges) {
+  EXPECT_EQ(rank_list({}), "none");
+  EXPECT_EQ(rank_list({0, 1}), "0, 1");
+  EXPECT_EQ(rank_list({0, 2, 3, 4, 7}), "0, 2–4, 7");
+  std::vector<int> many;
+  for (int rank = 1; rank < 3000; ++rank) {
+    many.push_back(rank);
+  }
+  EXPECT_EQ(rank_list(many), "1–2999");
 }
 
 } // namespace

@@ -127,15 +127,21 @@ LaunchResult expect_init_error(
 TEST(WorldErrors, PortTakenByAnotherService) {
   ForeignListener listener(/*accept_and_stay_silent=*/false);
   int port = listener.port();
-  expect_init_error<RendezvousError>(
-      1,
-      [port](int, RankEnvironment& env) {
-        env["RANK"] = "0";
-        env["WORLD_SIZE"] = "2";
-        env["MASTER_PORT"] = std::to_string(port);
-      },
-      {"rank 0 cannot host the store on MASTER_PORT={port}",
-       "already in use", "Choose a free MASTER_PORT"});
+  // The TCP store would listen on the port; the file store of a job on one
+  // host holds it on loopback, so that two jobs given one port collide too.
+  for (const char* store : {"tcp", "file"}) {
+    SCOPED_TRACE(store);
+    expect_init_error<RendezvousError>(
+        1,
+        [port, store](int, RankEnvironment& env) {
+          env["RANK"] = "0";
+          env["WORLD_SIZE"] = "2";
+          env["MASTER_PORT"] = std::to_string(port);
+          env["LOCKSTEP_STORE"] = store;
+        },
+        {"rank 0 cannot host the store on MASTER_PORT={port}",
+         "already in use", "Choose a free MASTER_PORT"});
+  }
 }
 
 TEST(WorldErrors, MasterThatNeverComesUp) {
@@ -144,9 +150,22 @@ TEST(WorldErrors, MasterThatNeverComesUp) {
       [](int, RankEnvironment& env) {
         env["RANK"] = "1";
         env["WORLD_SIZE"] = "2";
+        env["LOCKSTEP_STORE"] = "tcp";
       },
       {"rank 1 could not reach the store at 127.0.0.1:{port}",
        "within 2 s", "LOCKSTEP_TIMEOUT"});
+}
+
+TEST(WorldErrors, RankZeroThatNeverComesUpOnThisHost) {
+  expect_init_error<RendezvousError>(
+      1,
+      [](int, RankEnvironment& env) {
+        env["RANK"] = "1";
+        env["WORLD_SIZE"] = "2";
+      },
+      {"rank 1 found no job on this host at MASTER_PORT={port} within 2 s (its store would "
+       "be ", "/port-{port}). Is rank 0 running, on this host, with the same MASTER_PORT and "
+       "TMPDIR? Raise the limit with LOCKSTEP_TIMEOUT (seconds)."});
 }
 
 TEST(WorldErrors, ServiceThatIsNotAStore) {
@@ -158,8 +177,30 @@ TEST(WorldErrors, ServiceThatIsNotAStore) {
         env["RANK"] = "1";
         env["WORLD_SIZE"] = "2";
         env["MASTER_PORT"] = std::to_string(port);
+        env["LOCKSTEP_STORE"] = "tcp";
       },
       {"127.0.0.1:{port}", "does not answer as a c10d store"});
+}
+
+TEST(WorldErrors, MasterAddressThatDoesNotResolveFailsAtOnce) {
+  // Across hosts (a local size of 1), so that the address matters.
+  expect_init_error<RendezvousError>(
+      2,
+      [](int, RankEnvironment& env) {
+        env["LOCKSTEP_TIMEOUT"] = "60";
+        env["LOCAL_WORLD_SIZE"] = "1";
+        env["LOCAL_RANK"] = "0";
+        env["MASTER_ADDR"] = "nonexistent.invalid";
+      },
+      {"MASTER_ADDR='nonexistent.invalid' does not resolve to an address (",
+       "). Set it to rank 0's host name or address, as every rank can resolve it (127.0.0.1 "
+       "on one machine)."});
+}
+
+TEST(WorldErrors, ManyMissingRanksAreARange) {
+  expect_init_error<RendezvousError>(
+      1, [](int, RankEnvironment& env) { env["WORLD_SIZE"] = "3000"; },
+      {"rank(s) 1–2999 of 3000 never joined (joined: 0)"});
 }
 
 TEST(WorldErrors, RankThatNeverJoins) {
@@ -242,9 +283,9 @@ TEST(WorldErrors, CollectiveWithAPeerThatExited) {
     auto tensor = at::ones({16});
     expect_error<CollectiveError>(
         [&] { world.all_reduce(tensor); },
-        {"rank 0: all_reduce of Float [16] #2 failed: rank(s) 1 never reached it "
-         "(reached: 0), most likely because it exited; its own output says why.\n"
-         "  cause: "});
+        {"rank 0: all_reduce of Float [16] #2 cannot complete: rank 1 (pid ",
+         ") exited without closing its world (a crash, a kill, or an exit before the end); its "
+         "own output says why."});
   });
   EXPECT_TRUE(result.ok()) << result.report();
 }

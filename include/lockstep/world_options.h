@@ -29,9 +29,16 @@ struct WorldOptions {
   /// Limit on every wait: rendezvous and each collective. Default 5 minutes,
   /// or LOCKSTEP_TIMEOUT (seconds).
   TORCH_ARG(std::optional<std::chrono::milliseconds>, timeout);
-  /// Scopes the store keys, so that two jobs sharing one store never mix.
-  /// Default: LOCKSTEP_JOB_ID, else TORCHELASTIC_RUN_ID, else "default".
+  /// Scopes the store keys, so that two jobs sharing one store never mix,
+  /// and tells a job's ranks from another job's that was given the same
+  /// address and port. Default: LOCKSTEP_JOB_ID, else TORCHELASTIC_RUN_ID,
+  /// else "default".
   TORCH_ARG(std::optional<std::string>, job_id);
+  /// A secret that every rank of a job across hosts proves it holds when it
+  /// joins (an HMAC over the job id and a nonce; the secret never travels):
+  /// a process without it is refused. Default: LOCKSTEP_JOB_SECRET, else
+  /// none. See docs/world.md#security.
+  TORCH_ARG(std::optional<std::string>, secret);
   /// Unset: LOCKSTEP_DEBUG (OFF, INFO or DETAIL), else Off. At Detail, the
   /// ranks compare every collective before running it.
   TORCH_ARG(std::optional<DebugLevel>, debug);

@@ -1,8 +1,7 @@
 #include "world/ledger.h"
 
+#include <thread>
 #include <vector>
-
-#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <lockstep/error.h>
 
@@ -12,37 +11,30 @@
 namespace lockstep::detail {
 namespace {
 
-// Records older than this many collectives are removed: enough for every
-// bucket of an iteration to be in flight at once.
-constexpr uint64_t kKept = 64;
+using Clock = std::chrono::steady_clock;
 
+// How often a wait looks at its peers: often enough that a closed or dead
+// peer is an error within a fraction of a second, rarely enough that a wait
+// costs nothing.
+constexpr auto kPeerCheckInterval = std::chrono::milliseconds(100);
 
 } // namespace
 
-Ledger::Ledger(c10::intrusive_ptr<c10d::Store> store,
+Ledger::Ledger(std::unique_ptr<LedgerBoard> board,
                int rank,
-               int size,
+               std::vector<ProcessIdentity> peers,
                std::chrono::milliseconds timeout,
                bool compare)
-    : store_(std::move(store)),
+    : board_(std::move(board)),
       rank_(rank),
-      size_(size),
+      size_(static_cast<int>(peers.size())),
+      peers_(std::move(peers)),
       timeout_(timeout),
       compare_(compare) {}
 
-std::string Ledger::key(uint64_t seq, int rank) const {
-  return "arrived/" + std::to_string(seq) + "/" + std::to_string(rank);
-}
-
 void Ledger::arrive(uint64_t seq, const std::string& what) {
-  if (size_ == 1) {
-    return;
-  }
   try {
-    store_->set(key(seq, rank_), {what.begin(), what.end()});
-    if (seq > kKept) {
-      store_->deleteKey(key(seq - kKept, rank_));
-    }
+    board_->post(seq, what);
   } catch (const std::exception& e) {
     LOCKSTEP_FAIL(
         CollectiveError, "rank ", rank_, ": collective #", seq, " (", what,
@@ -53,24 +45,22 @@ void Ledger::arrive(uint64_t seq, const std::string& what) {
   if (!compare_) {
     return;
   }
+  auto deadline = Clock::now() + timeout_;
   for (int rank = 0; rank < size_; ++rank) {
     if (rank == rank_) {
       continue;
     }
-    try {
-      store_->wait({key(seq, rank)}, timeout_);
-    } catch (const std::exception& e) {
-      LOCKSTEP_FAIL(
-          TimeoutError, "rank ", rank_, ": collective #", seq, " (", what,
-          ") never started: ", attendance(seq), " within ",
-          seconds(timeout_), ". A rank that skips a forward or a "
-          "backward the others run leaves them waiting.");
-    }
-    auto bytes = store_->get(key(seq, rank));
-    std::string theirs(bytes.begin(), bytes.end());
+    std::optional<std::string> theirs;
+    bool came = wait_until(
+        [&] { return (theirs = board_->posted(rank, seq)).has_value(); }, deadline, seq, what);
     LOCKSTEP_ENFORCE(
-        theirs == what, CollectiveError, "the ranks are out of step at "
-        "collective #", seq, ": rank ", rank, " is doing ", theirs,
+        came, TimeoutError, "rank ", rank_, ": collective #", seq, " (", what,
+        ") never started: ", attendance(seq), " within ", seconds(timeout_),
+        ". A rank that skips a forward or a backward the others run leaves "
+        "them waiting.");
+    LOCKSTEP_ENFORCE(
+        *theirs == what, CollectiveError, "the ranks are out of step at "
+        "collective #", seq, ": rank ", rank, " is doing ", *theirs,
         " while rank ", rank_, " is doing ", what, ". Every rank must run "
         "the same forwards, backwards and collectives in the same order: look "
         "for one under a condition on the rank, or for ranks given different "
@@ -78,12 +68,75 @@ void Ledger::arrive(uint64_t seq, const std::string& what) {
   }
 }
 
+void Ledger::check_peers(uint64_t seq, const std::string& what) {
+  std::string closed_early;
+  std::string gone;
+  std::map<int, uint64_t> closed;
+  try {
+    closed = board_->closed();
+  } catch (const std::exception&) {
+    return; // the store's host is gone: the collective itself says so
+  }
+  for (int rank = 0; rank < size_; ++rank) {
+    if (rank == rank_) {
+      continue;
+    }
+    auto found = closed.find(rank);
+    if (found != closed.end() && found->second < seq) {
+      closed_early += str(closed_early.empty() ? "" : "; ", "rank ", rank,
+                          " closed its world after ", found->second, " collective(s)");
+    } else if (found == closed.end() && process_gone(peers_[rank])) {
+      gone += str(gone.empty() ? "" : "; ", "rank ", rank, " (pid ", peers_[rank].pid, " on ",
+                  peers_[rank].host, ")");
+    }
+  }
+  if (closed_early.empty() && gone.empty()) {
+    return;
+  }
+  // Whoever waits on this rank from now on learns at once that it will not
+  // come, and the store's host need not wait for it.
+  close(seq - 1);
+  if (!closed_early.empty()) {
+    LOCKSTEP_FAIL(
+        CollectiveError, "rank ", rank_, ": ", what, " #", seq, " cannot complete: ",
+        closed_early, ", so it will never reach this one. The ranks ran different "
+        "numbers of iterations or collectives, most likely because one had fewer "
+        "batches than the others: give every rank the same number of batches.");
+  }
+  LOCKSTEP_FAIL(
+      CollectiveError, "rank ", rank_, ": ", what, " #", seq, " cannot complete: ", gone,
+      " exited without closing its world (a crash, a kill, or an exit before the end); "
+      "its own output says why.");
+}
+
+bool Ledger::wait_until(const std::function<bool()>& ready,
+                        Clock::time_point deadline,
+                        uint64_t seq,
+                        const std::string& what) {
+  auto pause = std::chrono::microseconds(0);
+  auto next_check = Clock::now() + kPeerCheckInterval;
+  while (!ready()) {
+    auto now = Clock::now();
+    if (now >= next_check) {
+      check_peers(seq, what);
+      next_check = now + kPeerCheckInterval;
+    }
+    if (now >= deadline) {
+      return false;
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(std::max(pause * 2, std::chrono::microseconds(50)),
+                     std::chrono::microseconds(10000));
+  }
+  return true;
+}
+
 std::string Ledger::attendance(uint64_t seq, bool failed) const {
   std::vector<int> came;
   std::vector<int> missing;
   for (int rank = 0; rank < size_; ++rank) {
     try {
-      (store_->check({key(seq, rank)}) ? came : missing).push_back(rank);
+      (board_->reached(rank, seq) ? came : missing).push_back(rank);
     } catch (const std::exception&) {
       return "the store is unreachable too, so the rank that hosts it (rank 0, "
              "or torchrun's agent) has most likely exited; its own output says why";
@@ -96,6 +149,29 @@ std::string Ledger::attendance(uint64_t seq, bool failed) const {
   std::string text = "rank(s) " + rank_list(missing) + " never reached it (reached: " +
       rank_list(came) + ")";
   return failed ? text + ", most likely because it exited; its own output says why" : text;
+}
+
+void Ledger::close(uint64_t count) {
+  try {
+    board_->close(count);
+  } catch (const std::exception&) {
+    // The store's host has gone already: nobody is left to tell.
+  }
+}
+
+bool Ledger::others_finished() const {
+  std::map<int, uint64_t> closed;
+  try {
+    closed = board_->closed();
+  } catch (const std::exception&) {
+    return true;
+  }
+  for (int rank = 0; rank < size_; ++rank) {
+    if (rank != rank_ && closed.count(rank) == 0 && !process_gone(peers_[rank])) {
+      return false;
+    }
+  }
+  return true;
 }
 
 } // namespace lockstep::detail

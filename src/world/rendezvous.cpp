@@ -6,16 +6,14 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <future>
 #include <thread>
 #include <vector>
 
-#include <torch/csrc/distributed/c10d/HashStore.hpp>
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <lockstep/error.h>
 
+#include "world/job_secret.h"
 #include "world/torch_compat.h"
 
 namespace lockstep::detail {
@@ -32,49 +30,12 @@ std::string text(const std::vector<uint8_t>& value) {
 }
 
 
-std::string hostname() {
-  char name[256] = {};
-  ::gethostname(name, sizeof(name) - 1);
-  return name;
-}
-
-
-c10::intrusive_ptr<c10d::Store> connect_tcp_store(const WorldConfig& config) {
-  bool host_here = config.rank == 0 && !config.agent_store;
-  c10d::TCPStoreOptions options;
-  options.port = static_cast<std::uint16_t>(config.master_port);
-  options.isServer = host_here;
-  options.waitWorkers = false;
-  options.timeout = config.timeout;
-  try {
-    return c10::make_intrusive<c10d::TCPStore>(config.master_addr, options);
-  } catch (const std::exception& e) {
-    std::string cause = describe_exception(e);
-    if (host_here && cause.find("already in use") != std::string::npos) {
-      LOCKSTEP_FAIL(
-          RendezvousError, "rank 0 cannot host the store on MASTER_PORT=",
-          config.master_port, ": the port is already in use by another "
-          "process. Choose a free MASTER_PORT (lockstep-run picks one "
-          "itself) or stop the process that holds it.\n  cause: ", cause);
-    }
-    if (host_here) {
-      LOCKSTEP_FAIL(
-          RendezvousError, "rank 0 cannot host the store at ",
-          master_endpoint(config), ".\n  cause: ", cause);
-    }
-    LOCKSTEP_FAIL(
-        RendezvousError, "rank ", config.rank,
-        " could not reach the store at ", master_endpoint(config),
-        " (MASTER_ADDR:MASTER_PORT) within ", seconds(config.timeout),
-        ". Is rank 0 ", config.agent_store ? "(torchrun's agent) " : "",
-        "running, and do all ranks use the same MASTER_ADDR and "
-        "MASTER_PORT? Raise the limit with LOCKSTEP_TIMEOUT (seconds).\n"
-        "  cause: ", cause);
-  }
-}
-
 std::string rank_key(int rank) {
   return "rank/" + std::to_string(rank);
+}
+
+std::string proof_key(int rank) {
+  return "proof/" + std::to_string(rank);
 }
 
 // Every rank writes the size it believes in; the first writer wins and a
@@ -97,42 +58,6 @@ std::string duplicate_rank(c10d::Store& store, const WorldConfig& config) {
   return str("lockstep: rank ", config.rank,
              " joined the job twice: two processes were started with RANK=",
              config.rank, ". Give every process its own rank.");
-}
-
-// The first store operation runs on a thread of its own: a peer that
-// accepts connections but is not a store never answers, and TCPStore's
-// client would wait for that answer forever. On timeout the thread is left
-// behind, blocked, holding its own reference to the store.
-void expect_store_answers(
-    const c10::intrusive_ptr<c10d::Store>& store,
-    const WorldConfig& config) {
-  auto answered = std::make_shared<std::promise<void>>();
-  auto answer = answered->get_future();
-  std::thread([store, answered] {
-    try {
-      store->check({"probe"});
-      answered->set_value();
-    } catch (...) {
-      answered->set_exception(std::current_exception());
-    }
-  }).detach();
-  try {
-    if (answer.wait_for(config.timeout) == std::future_status::ready) {
-      answer.get();
-      return;
-    }
-  } catch (const std::exception& e) {
-    LOCKSTEP_FAIL(
-        RendezvousError, "rank ", config.rank, " reached ",
-        master_endpoint(config), " but it does not answer as a c10d store. "
-        "Is MASTER_PORT the port of rank 0's store (or torchrun's), and not "
-        "of another service?\n  cause: ", describe_exception(e));
-  }
-  LOCKSTEP_FAIL(
-      RendezvousError, "rank ", config.rank, " reached ",
-      master_endpoint(config), " but it does not answer as a c10d store "
-      "within ", seconds(config.timeout), ". Is MASTER_PORT the port of "
-      "rank 0's store (or torchrun's), and not of another service?");
 }
 
 // The first rank to find a problem (a timeout, a disagreement) publishes its
@@ -201,9 +126,22 @@ void wait_for_all(c10d::Store& store, const WorldConfig& config) {
 } // namespace
 
 std::string rank_list(const std::vector<int>& ranks) {
+  // Runs of three or more consecutive ranks as "first–last": a rendezvous
+  // of 3000 ranks that one rank reached says "1–2999", not 2999 numbers.
   std::string out;
-  for (size_t i = 0; i < ranks.size(); ++i) {
-    out += (i == 0 ? "" : ", ") + std::to_string(ranks[i]);
+  for (size_t first = 0; first < ranks.size();) {
+    size_t last = first;
+    while (last + 1 < ranks.size() && ranks[last + 1] == ranks[last] + 1) {
+      ++last;
+    }
+    out += out.empty() ? "" : ", ";
+    if (last - first >= 2) {
+      out += std::to_string(ranks[first]) + "–" + std::to_string(ranks[last]);
+      first = last + 1;
+    } else {
+      out += std::to_string(ranks[first]);
+      ++first;
+    }
   }
   return out.empty() ? "none" : out;
 }
@@ -216,20 +154,13 @@ std::string master_endpoint(const WorldConfig& config) {
   return str(config.master_addr, ":", config.master_port);
 }
 
-c10::intrusive_ptr<c10d::Store> connect_store(const WorldConfig& config) {
-  c10::intrusive_ptr<c10d::Store> base;
-  if (config.size == 1) {
-    base = c10::make_intrusive<c10d::HashStore>();
-  } else {
-    base = connect_tcp_store(config);
-  }
-  base->setTimeout(config.timeout);
-  return c10::make_intrusive<c10d::PrefixStore>(config.key_prefix, base);
-}
-
-void join(const c10::intrusive_ptr<c10d::Store>& store,
-          const WorldConfig& config) {
-  expect_store_answers(store, config);
+std::vector<ProcessIdentity> join(const c10::intrusive_ptr<c10d::Store>& store,
+                                  const WorldConfig& config,
+                                  const std::string& nonce) {
+  bool proving = !config.secret.empty() && !nonce.empty();
+  auto claim = [&](int rank, const std::string& record) {
+    return str("rank|", config.job_id, "|", nonce, "|", rank, "|", record);
+  };
   try {
     for (const auto& problem :
          {disagreement_on_size(*store, config), duplicate_rank(*store, config)}) {
@@ -237,9 +168,26 @@ void join(const c10::intrusive_ptr<c10d::Store>& store,
         publish_and_fail(*store, config, problem);
       }
     }
-    store->set(rank_key(config.rank),
-               bytes(str(hostname(), " pid ", ::getpid())));
+    std::string record = this_process().to_record();
+    if (proving) {
+      store->set(proof_key(config.rank), bytes(prove(config.secret, claim(config.rank, record))));
+    }
+    store->set(rank_key(config.rank), bytes(record));
     wait_for_all(*store, config);
+    std::vector<ProcessIdentity> peers;
+    for (int rank = 0; rank < config.size; ++rank) {
+      std::string theirs = text(store->get(rank_key(rank)));
+      LOCKSTEP_ENFORCE(
+          !proving || (store->check({proof_key(rank)}) &&
+                       proven(config.secret, claim(rank, theirs),
+                              text(store->get(proof_key(rank))))),
+          RendezvousError, "rank ", config.rank, ": the process that joined as rank ", rank,
+          " did not prove that it holds the job secret: a process without it wrote that "
+          "rank's record in the store at ", master_endpoint(config), ". Run jobs across "
+          "hosts on a network you trust (see docs/world.md#security).");
+      peers.push_back(ProcessIdentity::from_record(theirs));
+    }
+    return peers;
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {

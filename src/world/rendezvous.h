@@ -1,8 +1,8 @@
 #pragma once
 
-// Forming the world: connecting to the store and waiting until every rank
-// has joined, with errors that name the address, the port and the missing
-// ranks instead of a bare timeout.
+// Forming the world: waiting in the job's store until every rank has
+// joined, with errors that name the address, the port and the missing ranks
+// instead of a bare timeout.
 
 #include <chrono>
 #include <string>
@@ -10,6 +10,7 @@
 
 #include <c10/util/intrusive_ptr.h>
 
+#include "world/process_identity.h"
 #include "world/resolve.h"
 
 namespace c10d {
@@ -18,21 +19,20 @@ class Store;
 
 namespace lockstep::detail {
 
-/// The job-scoped store: a TCPStore hosted by rank 0 (or by torchrun's
-/// agent), or an in-memory store for a world of size 1, which opens no socket.
-c10::intrusive_ptr<c10d::Store> connect_store(const WorldConfig& config);
-
 /// Announces this rank and blocks until every rank has announced itself with
-/// the same world size. Raises RendezvousError naming the missing ranks when
-/// the timeout passes first.
-void join(const c10::intrusive_ptr<c10d::Store>& store,
-          const WorldConfig& config);
+/// the same world size; returns every rank's identity. With a job secret and
+/// a `nonce` (JobStore::nonce), every rank also proves that it holds the
+/// secret, and checks the others' proofs. Raises RendezvousError naming the
+/// missing ranks when the timeout passes first.
+std::vector<ProcessIdentity> join(const c10::intrusive_ptr<c10d::Store>& store,
+                                  const WorldConfig& config,
+                                  const std::string& nonce);
 
 /// The address of this machine on the route towards `host`: what peers can
 /// reach us at when `host` is the master. Loopback when `host` is.
 std::string local_address_towards(const std::string& host);
 
-/// Ranks as "0, 2, 3", or "none", for messages.
+/// Ranks as "0, 2, 5–9", or "none", for messages.
 std::string rank_list(const std::vector<int>& ranks);
 
 /// A limit as "2.5 s", for messages.

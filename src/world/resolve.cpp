@@ -132,9 +132,7 @@ DebugLevel resolve_debug(const WorldOptions& options, const EnvLookup& env) {
   return DebugLevel::Detail;
 }
 
-std::string resolve_job_prefix(
-    const WorldOptions& options,
-    const EnvLookup& env) {
+std::string resolve_job_id(const WorldOptions& options, const EnvLookup& env) {
   std::string job = "default";
   if (options.job_id()) {
     job = *options.job_id();
@@ -143,6 +141,14 @@ std::string resolve_job_prefix(
   } else if (auto id = env("TORCHELASTIC_RUN_ID")) {
     job = *id;
   }
+  LOCKSTEP_ENFORCE(
+      !job.empty() && job.find_first_of(" /\n") == std::string::npos, ConfigError,
+      "the job id '", job, "' (LOCKSTEP_JOB_ID, WorldOptions::job_id or "
+      "TORCHELASTIC_RUN_ID) must be a non-empty word without spaces or '/'.");
+  return job;
+}
+
+std::string resolve_job_prefix(const std::string& job, const EnvLookup& env) {
   // A restarted job reuses the agent's store; the restart count keeps the
   // previous attempt's keys from being mistaken for this one's.
   std::string attempt = "0";
@@ -153,6 +159,28 @@ std::string resolve_job_prefix(
   }
   // PrefixStore adds the "/" between this prefix and each key.
   return "lockstep/" + job + "/" + attempt;
+}
+
+// A job on one host meets in a file store, which opens no socket; torchrun's
+// agent has its own store, which the ranks must use.
+WorldConfig::StoreKind resolve_store(const EnvLookup& env, const WorldConfig& config) {
+  using StoreKind = WorldConfig::StoreKind;
+  std::string choice = env("LOCKSTEP_STORE").value_or("auto");
+  if (choice == "auto" || choice.empty()) {
+    return config.single_host && !config.agent_store ? StoreKind::File : StoreKind::Tcp;
+  }
+  if (choice == "tcp") {
+    return StoreKind::Tcp;
+  }
+  LOCKSTEP_ENFORCE(
+      choice == "file", ConfigError, "LOCKSTEP_STORE='", choice,
+      "' is not a store kind; use auto, tcp or file.");
+  LOCKSTEP_ENFORCE(
+      config.single_host && !config.agent_store, ConfigError,
+      "LOCKSTEP_STORE=file needs every rank on this host (MASTER_ADDR a loopback "
+      "address, or LOCAL_WORLD_SIZE equal to WORLD_SIZE) and a store of lockstep's own "
+      "(not torchrun's agent).");
+  return StoreKind::File;
 }
 
 } // namespace
@@ -244,8 +272,11 @@ WorldConfig resolve_world(const WorldOptions& options, const EnvLookup& env) {
 
   config.timeout = resolve_timeout(options, env);
   config.debug = resolve_debug(options, env);
-  config.key_prefix = resolve_job_prefix(options, env);
+  config.job_id = resolve_job_id(options, env);
+  config.key_prefix = resolve_job_prefix(config.job_id, env);
+  config.secret = options.secret().value_or(env("LOCKSTEP_JOB_SECRET").value_or(""));
   if (config.size == 1) {
+    config.single_host = true;
     return config;
   }
 
@@ -275,7 +306,16 @@ WorldConfig resolve_world(const WorldOptions& options, const EnvLookup& env) {
   auto agent = env("TORCHELASTIC_USE_AGENT_STORE");
   config.agent_store = launcher != nullptr && agent &&
       (*agent == "True" || *agent == "true" || *agent == "1");
+  bool local_known = options.local_size() || env_setting(&LauncherVariables::local_size);
+  config.single_host = is_loopback_name(config.master_addr) ||
+      (local_known && config.local_size == config.size);
+  config.store = resolve_store(env, config);
   return config;
+}
+
+bool is_loopback_name(const std::string& address) {
+  return address == "localhost" || address == "::1" || address == "[::1]" ||
+      address.rfind("127.", 0) == 0;
 }
 
 } // namespace lockstep::detail

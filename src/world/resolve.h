@@ -23,8 +23,18 @@ struct WorldConfig {
   std::chrono::milliseconds timeout{0};
   /// torchrun's agent hosts the store; every rank connects as a client.
   bool agent_store = false;
+  /// Every rank runs on this host: MASTER_ADDR is a loopback address, or
+  /// the launcher said that the local size is the world size.
+  bool single_host = false;
+  /// Where the ranks meet: a file store in a private folder (one host, no
+  /// socket) or a TCP store (rank 0's, or torchrun's agent's).
+  enum class StoreKind { File, Tcp } store = StoreKind::Tcp;
   /// Prefix of every key this job writes to the store (PrefixStore adds "/").
   std::string key_prefix;
+  /// The job's id, as in key_prefix.
+  std::string job_id;
+  /// The job secret; empty for none.
+  std::string secret;
   std::string source;
   DebugLevel debug = DebugLevel::Off;
 };
@@ -38,5 +48,9 @@ EnvLookup process_environment();
 constexpr std::chrono::minutes kDefaultTimeout{5};
 
 WorldConfig resolve_world(const WorldOptions& options, const EnvLookup& env);
+
+/// Whether `address` names this host's loopback (127.0.0.0/8, ::1,
+/// localhost), judged from its text.
+bool is_loopback_name(const std::string& address);
 
 } // namespace lockstep::detail

@@ -129,4 +129,17 @@ void wait_work(c10d::Work& work, std::chrono::milliseconds timeout) {
   work.wait(timeout);
 }
 
+bool wait_work_for(c10d::Work& work, std::chrono::milliseconds slice) {
+  try {
+    work.wait(slice);
+    return true;
+  } catch (...) {
+    if (!work.isCompleted()) {
+      return false; // the slice ran out, not the work
+    }
+  }
+  work.wait(); // completed meanwhile, or failed: its own outcome
+  return true;
+}
+
 } // namespace lockstep::detail

@@ -8,8 +8,10 @@
 #include <atomic>
 #include <mutex>
 #include <sstream>
+#include <thread>
 
 #include "timeline/recorder.h"
+#include "world/job_store.h"
 #include "world/ledger.h"
 #include "world/rendezvous.h"
 #include "world/resolve.h"
@@ -19,6 +21,7 @@ namespace lockstep {
 
 struct World::Impl {
   detail::WorldConfig config;
+  std::unique_ptr<detail::JobStore> job_store;
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::ProcessGroup> cpu_group;
   std::mutex cuda_group_mutex;
@@ -30,9 +33,30 @@ struct World::Impl {
   uint64_t string_gather_count = 0;
 
   ~Impl() {
+    close();
     // A program may end without running static destructors (_exit, a
     // fatal signal later): what the timeline holds should reach the file.
     detail::timeline::flush();
+  }
+
+  // Tells the others that this rank will reach no further collective, so
+  // that one still waiting in one fails at once, naming this rank. The
+  // store's host then stays (10 s at most) until the others have closed or
+  // gone too: they would otherwise lose the store, and with it the reason.
+  void close() {
+    if (ledger) {
+      ledger->close(collective_count);
+      if (job_store->hosted_here()) {
+        auto limit = std::chrono::steady_clock::now() +
+            std::min<std::chrono::milliseconds>(config.timeout, std::chrono::seconds(10));
+        while (!ledger->others_finished() && std::chrono::steady_clock::now() < limit) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        }
+      }
+    }
+    if (job_store) {
+      job_store->close();
+    }
   }
 
   /// Numbers the next collective and records, in the ledger, that this rank
@@ -50,7 +74,7 @@ struct World::Impl {
     options.rank = config.rank;
     options.size = config.size;
     options.timeout = config.timeout;
-    options.local_address = config.size == 1
+    options.local_address = config.single_host
         ? "127.0.0.1"
         : detail::local_address_towards(config.master_addr);
     return options;
@@ -58,6 +82,8 @@ struct World::Impl {
 };
 
 namespace {
+
+constexpr auto kWaitSlice = std::chrono::milliseconds(100);
 
 std::string describe(const at::Tensor& tensor) {
   std::ostringstream out;
@@ -75,10 +101,25 @@ void complete(
     c10d::Work& work) {
   const auto& config = impl.config;
   std::string what = detail::str(operation, " #", seq);
+  auto deadline = std::chrono::steady_clock::now() + config.timeout;
   try {
-    detail::wait_work(work, config.timeout);
+    // In slices, so that a peer that closed its world or died is named
+    // within a slice instead of at the timeout.
+    while (!detail::wait_work_for(work, kWaitSlice)) {
+      if (impl.ledger) {
+        impl.ledger->check_peers(seq, operation);
+      }
+      if (std::chrono::steady_clock::now() >= deadline) {
+        detail::wait_work(work, std::chrono::milliseconds(1)); // the backend's timeout
+      }
+    }
+  } catch (const Error&) {
+    throw;
   } catch (const std::exception& e) {
     std::string cause = detail::describe_exception(e);
+    if (impl.ledger) {
+      impl.ledger->check_peers(seq, operation); // a peer that closed says more
+    }
     if (cause.find("imed out") != std::string::npos) {
       LOCKSTEP_FAIL(
           TimeoutError, "rank ", config.rank, ": ", what,
@@ -286,6 +327,8 @@ std::vector<std::string> World::all_gather_strings(const std::string& value) {
     return detail::str("strings/", r, "/", rank);
   };
   auto& store = *impl_->store;
+  std::string operation = detail::str("all_gather_strings #", round);
+  uint64_t seq = impl_->begin(operation);
   store.set(key(round, rank()), {value.begin(), value.end()});
   // Having reached this round, every rank finished reading round - 2: our
   // key from then is no longer needed.
@@ -293,17 +336,18 @@ std::vector<std::string> World::all_gather_strings(const std::string& value) {
     store.deleteKey(key(round - 2, rank()));
   }
   std::vector<std::string> values;
+  auto deadline = std::chrono::steady_clock::now() + timeout();
   for (int rank = 0; rank < size(); ++rank) {
-    try {
-      auto bytes = store.get(key(round, rank));
-      values.emplace_back(bytes.begin(), bytes.end());
-    } catch (const std::exception& e) {
-      LOCKSTEP_FAIL(
-          TimeoutError, "rank ", this->rank(), ": all_gather_strings #",
-          round, " did not receive rank ", rank, "'s value within ",
-          detail::seconds(timeout()), "; that rank is not taking part.\n"
-          "  cause: ", detail::describe_exception(e));
-    }
+    auto arrived = [&] { return store.check({key(round, rank)}); };
+    bool came = impl_->ledger
+        ? impl_->ledger->wait_until(arrived, deadline, seq, operation)
+        : arrived();
+    LOCKSTEP_ENFORCE(
+        came, TimeoutError, "rank ", this->rank(), ": ", operation,
+        " did not receive rank ", rank, "'s value within ",
+        detail::seconds(timeout()), "; that rank is not taking part.");
+    auto bytes = store.get(key(round, rank));
+    values.emplace_back(bytes.begin(), bytes.end());
   }
   return values;
 }
@@ -312,12 +356,13 @@ World init(const WorldOptions& options) {
   auto impl = std::make_shared<World::Impl>();
   impl->config = detail::resolve_world(options, detail::process_environment());
   detail::timeline::start(impl->config.rank);
-  impl->store = detail::connect_store(impl->config);
+  impl->job_store = detail::connect_job_store(impl->config);
+  impl->store = impl->job_store->store();
   if (impl->config.size > 1) {
-    detail::join(impl->store, impl->config);
+    auto peers = detail::join(impl->store, impl->config, impl->job_store->nonce());
     impl->ledger = std::make_unique<detail::Ledger>(
-        c10::make_intrusive<c10d::PrefixStore>("ledger", impl->store),
-        impl->config.rank, impl->config.size, impl->config.timeout,
+        impl->job_store->ledger_board(impl->config.rank, impl->config.size),
+        impl->config.rank, std::move(peers), impl->config.timeout,
         /*compare=*/impl->config.debug == DebugLevel::Detail);
   }
   auto gloo_store = c10::make_intrusive<c10d::PrefixStore>("gloo/", impl->store);

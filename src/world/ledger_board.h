@@ -1,0 +1,48 @@
+#pragma once
+
+// Where the ledger keeps its records. Across hosts, in the store; for a job
+// on one host, in a small file that every rank maps (the file store there
+// would grow by a record per collective, and a mapped word costs nothing to
+// read). The ledger's logic is the same over both.
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include <c10/util/intrusive_ptr.h>
+
+namespace c10d {
+class Store;
+} // namespace c10d
+
+namespace lockstep::detail {
+
+class LedgerBoard {
+ public:
+  virtual ~LedgerBoard() = default;
+  /// Records that this rank reached collective `seq` to do `what`.
+  virtual void post(uint64_t seq, const std::string& what) = 0;
+  /// Whether `rank` has reached collective `seq` (asked only of the last
+  /// few collectives).
+  virtual bool reached(int rank, uint64_t seq) = 0;
+  /// What `rank` posted for `seq`, once it has.
+  virtual std::optional<std::string> posted(int rank, uint64_t seq) = 0;
+  /// Records that this rank will reach no collective after the first
+  /// `count`: it closed its world, or gave up on it.
+  virtual void close(uint64_t count) = 0;
+  /// The ranks that closed, each with its count.
+  virtual std::map<int, uint64_t> closed() = 0;
+};
+
+/// Records as keys of `store` (already scoped to the job's ledger).
+std::unique_ptr<LedgerBoard> make_store_board(
+    c10::intrusive_ptr<c10d::Store> store, int rank, int size);
+
+/// Records in the file at `path`, which rank 0 created with
+/// create_mapped_board and every rank maps.
+std::unique_ptr<LedgerBoard> open_mapped_board(const std::string& path, int rank, int size);
+void create_mapped_board(const std::string& path, int size);
+
+} // namespace lockstep::detail

@@ -1,0 +1,85 @@
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "world/ledger_board.h"
+
+namespace lockstep::detail {
+namespace {
+
+// Records older than this many collectives are removed: enough for every
+// bucket of an iteration to be in flight at once.
+constexpr uint64_t kKept = 64;
+
+constexpr const char* kClosedCount = "closed_count";
+
+std::string arrived_key(uint64_t seq, int rank) {
+  return "arrived/" + std::to_string(seq) + "/" + std::to_string(rank);
+}
+
+std::string closed_key(int rank) {
+  return "closed/" + std::to_string(rank);
+}
+
+class StoreBoard : public LedgerBoard {
+ public:
+  StoreBoard(c10::intrusive_ptr<c10d::Store> store, int rank, int size)
+      : store_(std::move(store)), rank_(rank), size_(size) {}
+
+  void post(uint64_t seq, const std::string& what) override {
+    store_->set(arrived_key(seq, rank_), {what.begin(), what.end()});
+    if (seq > kKept) {
+      store_->deleteKey(arrived_key(seq - kKept, rank_));
+    }
+  }
+
+  bool reached(int rank, uint64_t seq) override {
+    return store_->check({arrived_key(seq, rank)});
+  }
+
+  std::optional<std::string> posted(int rank, uint64_t seq) override {
+    if (!reached(rank, seq)) {
+      return std::nullopt;
+    }
+    auto bytes = store_->get(arrived_key(seq, rank));
+    return std::string(bytes.begin(), bytes.end());
+  }
+
+  void close(uint64_t count) override {
+    if (closed_here_) {
+      return;
+    }
+    closed_here_ = true;
+    auto text = std::to_string(count);
+    store_->set(closed_key(rank_), {text.begin(), text.end()});
+    store_->add(kClosedCount, 1);
+  }
+
+  std::map<int, uint64_t> closed() override {
+    // One round trip while no rank has closed, which is almost always.
+    std::map<int, uint64_t> ranks;
+    if (store_->add(kClosedCount, 0) == 0) {
+      return ranks;
+    }
+    for (int rank = 0; rank < size_; ++rank) {
+      if (store_->check({closed_key(rank)})) {
+        auto bytes = store_->get(closed_key(rank));
+        ranks[rank] = std::stoull(std::string(bytes.begin(), bytes.end()));
+      }
+    }
+    return ranks;
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Store> store_;
+  int rank_;
+  int size_;
+  bool closed_here_ = false;
+};
+
+} // namespace
+
+std::unique_ptr<LedgerBoard> make_store_board(
+    c10::intrusive_ptr<c10d::Store> store, int rank, int size) {
+  return std::make_unique<StoreBoard>(std::move(store), rank, size);
+}
+
+} // namespace lockstep::detail
