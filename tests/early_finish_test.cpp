@@ -78,8 +78,8 @@ TEST_P(EarlyFinish, WaitingRanksNameTheRankThatClosed) {
       auto waited = Clock::now() - begin;
       EXPECT_LT(waited, std::chrono::seconds(5)) << e.what();
       std::string closed = c.uneven == Uneven::ExtraOnRankZero
-          ? "rank 1 closed its world after "
-          : "rank 0 closed its world after ";
+          ? "rank 1 closed its world having completed "
+          : "rank 0 closed its world having completed ";
       EXPECT_NE(std::string(e.what()).find(closed), std::string::npos) << e.what();
       if (c.world_size == 2 && c.uneven == Uneven::ExtraOnRankZero && !c.detail) {
         expect_documented_error<CollectiveError>([&] { throw; }, "early-finish");

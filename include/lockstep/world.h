@@ -58,6 +58,9 @@ class World {
   std::chrono::milliseconds timeout() const;
   /// WorldOptions::debug, else LOCKSTEP_DEBUG.
   DebugLevel debug() const;
+  /// What carries the collectives of CPU tensors: "Gloo", or "shared memory
+  /// (N ranks on this host)".
+  const std::string& transport() const;
   /// At Detail, the ranks compare every later collective before running it.
   /// Every rank must set the same level at the same point of the program
   /// (DistributedDataParallel does so when DdpOptions::debug asks for it).
@@ -87,6 +90,14 @@ class World {
   /// Gathers one short string per rank through the store. Meant for error
   /// messages that show every rank's view, not for data.
   std::vector<std::string> all_gather_strings(const std::string& value);
+
+  /// Collective: every rank calls it with the same arguments. A zero-filled
+  /// contiguous CPU tensor in the memory that all_reduce moves fastest:
+  /// with the shared-memory transport, this rank's part of a segment that
+  /// the ranks of its host share, so that an all-reduce of the whole tensor
+  /// reads and writes it in place, without a copy in or out. Elsewhere,
+  /// plain memory. DistributedDataParallel keeps its buckets there.
+  at::Tensor allocate(int64_t numel, at::ScalarType dtype);
 
   struct Impl;
   explicit World(std::shared_ptr<Impl> impl);

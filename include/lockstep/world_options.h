@@ -10,6 +10,16 @@
 
 namespace lockstep {
 
+/// What carries a world's collectives of CPU tensors.
+enum class TransportKind {
+  /// Shared memory when every rank runs on one host, else Gloo.
+  Auto,
+  /// Gloo over TCP (loopback on one host).
+  Gloo,
+  /// Shared memory; an error from init() when it cannot be had.
+  SharedMemory,
+};
+
 /// How `lockstep::init()` forms the world. Every field left unset is read
 /// from the environment (see docs/world.md for the order), so a program
 /// normally passes no options at all.
@@ -42,6 +52,9 @@ struct WorldOptions {
   /// Unset: LOCKSTEP_DEBUG (OFF, INFO or DETAIL), else Off. At Detail, the
   /// ranks compare every collective before running it.
   TORCH_ARG(std::optional<DebugLevel>, debug);
+  /// Unset: LOCKSTEP_TRANSPORT (auto, gloo or shm), else Auto. See
+  /// docs/world.md#transports.
+  TORCH_ARG(std::optional<TransportKind>, transport);
 };
 
 } // namespace lockstep

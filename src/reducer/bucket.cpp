@@ -50,7 +50,8 @@ std::vector<std::vector<size_t>> plan_buckets(
 Bucket::Bucket(
     std::vector<size_t> members,
     const std::vector<at::Tensor>& params,
-    bool with_extras)
+    bool with_extras,
+    const Allocate& allocate)
     : members_(std::move(members)), with_extras_(with_extras) {
   for (size_t index : members_) {
     offsets_.push_back(gradient_numel_);
@@ -60,7 +61,7 @@ Bucket::Bucket(
   const auto& first = params[members_.front()];
   int64_t total = gradient_numel_ + static_cast<int64_t>(members_.size()) +
       (with_extras_ ? int64_t{kExtraCount} : int64_t{0});
-  buffer_ = at::zeros({total}, first.options().requires_grad(false));
+  buffer_ = allocate(total, first.options().requires_grad(false));
 }
 
 at::Tensor Bucket::slot(size_t k) const {

@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -34,9 +35,15 @@ enum Extra : int64_t {
 
 class Bucket {
  public:
+  /// Makes the zero-filled flat tensor a bucket all-reduces: World::allocate
+  /// for CPU tensors, so that the transport may keep it where it moves it
+  /// fastest.
+  using Allocate = std::function<at::Tensor(int64_t numel, const at::TensorOptions& options)>;
+
   Bucket(std::vector<size_t> members,
          const std::vector<at::Tensor>& params,
-         bool with_extras);
+         bool with_extras,
+         const Allocate& allocate);
 
   const std::vector<size_t>& members() const {
     return members_;

@@ -128,8 +128,12 @@ void Reducer::State::layout_buckets(const std::vector<size_t>& order) {
   std::vector<Bucket> fresh;
   std::vector<size_t> fresh_bucket_of(params.size(), 0);
   std::vector<size_t> fresh_slot_of(params.size(), 0);
+  Bucket::Allocate allocate = [this](int64_t numel, const at::TensorOptions& options) {
+    return options.device().is_cpu() ? world.allocate(numel, options.dtype().toScalarType())
+                                     : at::zeros({numel}, options);
+  };
   for (size_t b = 0; b < plan.size(); ++b) {
-    fresh.emplace_back(plan[b], params, /*with_extras=*/b + 1 == plan.size());
+    fresh.emplace_back(plan[b], params, /*with_extras=*/b + 1 == plan.size(), allocate);
     for (size_t k = 0; k < plan[b].size(); ++k) {
       fresh_bucket_of[plan[b][k]] = b;
       fresh_slot_of[plan[b][k]] = k;

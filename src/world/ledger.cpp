@@ -84,7 +84,7 @@ void Ledger::check_peers(uint64_t seq, const std::string& what) {
     auto found = closed.find(rank);
     if (found != closed.end() && found->second < seq) {
       closed_early += str(closed_early.empty() ? "" : "; ", "rank ", rank,
-                          " closed its world after ", found->second, " collective(s)");
+                          " closed its world having completed ", found->second, " collective(s)");
     } else if (found == closed.end() && process_gone(peers_[rank])) {
       gone += str(gone.empty() ? "" : "; ", "rank ", rank, " (pid ", peers_[rank].pid, " on ",
                   peers_[rank].host, ")");
@@ -99,7 +99,7 @@ void Ledger::check_peers(uint64_t seq, const std::string& what) {
   if (!closed_early.empty()) {
     LOCKSTEP_FAIL(
         CollectiveError, "rank ", rank_, ": ", what, " #", seq, " cannot complete: ",
-        closed_early, ", so it will never reach this one. The ranks ran different "
+        closed_early, ", so it will never complete this one. The ranks ran different "
         "numbers of iterations or collectives, most likely because one had fewer "
         "batches than the others: give every rank the same number of batches.");
   }

@@ -40,7 +40,7 @@ class Ledger {
   }
 
   /// Raises CollectiveError when some peer will never reach collective
-  /// `seq`: it closed its world after fewer collectives, or its process is
+  /// `seq`: it closed its world having completed fewer, or its process is
   /// gone. `what` names the collective this rank waits in.
   void check_peers(uint64_t seq, const std::string& what);
 
@@ -57,7 +57,8 @@ class Ledger {
   /// board knows it, and what that suggests.
   std::string attendance(uint64_t seq, bool failed = false) const;
 
-  /// Records that this rank closed its world after `count` collectives.
+  /// Records that this rank closed its world having completed the first
+  /// `count` collectives.
   void close(uint64_t count);
 
   /// Whether every other rank has closed or is gone: the store's host may

@@ -161,6 +161,22 @@ std::string resolve_job_prefix(const std::string& job, const EnvLookup& env) {
   return "lockstep/" + job + "/" + attempt;
 }
 
+TransportKind resolve_transport(const WorldOptions& options, const EnvLookup& env) {
+  if (options.transport()) {
+    return *options.transport();
+  }
+  std::string choice = env("LOCKSTEP_TRANSPORT").value_or("auto");
+  if (choice == "auto" || choice.empty()) {
+    return TransportKind::Auto;
+  }
+  if (choice == "gloo") {
+    return TransportKind::Gloo;
+  }
+  LOCKSTEP_ENFORCE(choice == "shm", ConfigError, "LOCKSTEP_TRANSPORT='", choice,
+                   "' is not a transport; use auto, gloo or shm.");
+  return TransportKind::SharedMemory;
+}
+
 // A job on one host meets in a file store, which opens no socket; torchrun's
 // agent has its own store, which the ranks must use.
 WorldConfig::StoreKind resolve_store(const EnvLookup& env, const WorldConfig& config) {
@@ -272,6 +288,7 @@ WorldConfig resolve_world(const WorldOptions& options, const EnvLookup& env) {
 
   config.timeout = resolve_timeout(options, env);
   config.debug = resolve_debug(options, env);
+  config.transport = resolve_transport(options, env);
   config.job_id = resolve_job_id(options, env);
   config.key_prefix = resolve_job_prefix(config.job_id, env);
   config.secret = options.secret().value_or(env("LOCKSTEP_JOB_SECRET").value_or(""));

@@ -37,6 +37,7 @@ struct WorldConfig {
   std::string secret;
   std::string source;
   DebugLevel debug = DebugLevel::Off;
+  TransportKind transport = TransportKind::Auto;
 };
 
 using EnvLookup =

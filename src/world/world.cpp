@@ -6,11 +6,14 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <atomic>
+#include <iostream>
 #include <mutex>
 #include <sstream>
 #include <thread>
 
 #include "timeline/recorder.h"
+#include "transport/process_group_transport.h"
+#include "transport/select.h"
 #include "world/job_store.h"
 #include "world/ledger.h"
 #include "world/rendezvous.h"
@@ -19,16 +22,25 @@
 
 namespace lockstep {
 
-struct World::Impl {
+struct World::Impl : std::enable_shared_from_this<World::Impl> {
   detail::WorldConfig config;
   std::unique_ptr<detail::JobStore> job_store;
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::ProcessGroup> cpu_group;
+  // What carries the collectives of CPU tensors: cpu_group, or shared
+  // memory between the ranks of a host (transport/select.h).
+  std::shared_ptr<detail::Transport> cpu_transport;
+  std::string transport_description;
   std::mutex cuda_group_mutex;
   c10::intrusive_ptr<c10d::ProcessGroup> cuda_group;
+  std::shared_ptr<detail::Transport> cuda_transport;
   // Numbers the collectives issued through World: the same sequence on
   // every rank, since every rank must issue the same collectives.
   std::atomic<uint64_t> collective_count{0};
+  // The last collective that completed here (they complete in order): what
+  // a closing rank tells the others it took part in. One that it began but
+  // gave up on (a timeout) does not count, since its peers wait in vain.
+  std::atomic<uint64_t> completed_count{0};
   std::unique_ptr<detail::Ledger> ledger;
   uint64_t string_gather_count = 0;
 
@@ -45,7 +57,7 @@ struct World::Impl {
   // gone too: they would otherwise lose the store, and with it the reason.
   void close() {
     if (ledger) {
-      ledger->close(collective_count);
+      ledger->close(completed_count);
       if (job_store->hosted_here()) {
         auto limit = std::chrono::steady_clock::now() +
             std::min<std::chrono::milliseconds>(config.timeout, std::chrono::seconds(10));
@@ -59,6 +71,12 @@ struct World::Impl {
     }
   }
 
+  void completed(uint64_t seq) {
+    uint64_t before = completed_count.load();
+    while (before < seq && !completed_count.compare_exchange_weak(before, seq)) {
+    }
+  }
+
   /// Numbers the next collective and records, in the ledger, that this rank
   /// reached it.
   uint64_t begin(const std::string& what) {
@@ -68,6 +86,8 @@ struct World::Impl {
     }
     return seq;
   }
+
+  detail::Transport& transport_for(const at::Tensor& tensor);
 
   detail::GroupOptions group_options() const {
     detail::GroupOptions options;
@@ -91,28 +111,38 @@ std::string describe(const at::Tensor& tensor) {
   return out.str();
 }
 
-// Waits for one collective and turns the backend's failures into errors
+// Waits for one collective and turns the transport's failures into errors
 // that name the rank, the operation and, for a timeout, the ranks that never
 // reached it.
 void complete(
     World::Impl& impl,
     uint64_t seq,
     const std::string& operation,
-    c10d::Work& work) {
+    detail::TransportWork& work) {
   const auto& config = impl.config;
   std::string what = detail::str(operation, " #", seq);
+  auto timed_out = [&](const std::string& cause) {
+    LOCKSTEP_FAIL(
+        TimeoutError, "rank ", config.rank, ": ", what,
+        " did not complete within ", detail::seconds(config.timeout), ": ",
+        impl.ledger ? impl.ledger->attendance(seq) : std::string("a peer is not taking part"),
+        ". A rank that stopped, or runs a different collective, leaves the "
+        "others waiting; raise the limit with LOCKSTEP_TIMEOUT (seconds) "
+        "if it is only slow.\n  cause: ", cause);
+  };
   auto deadline = std::chrono::steady_clock::now() + config.timeout;
   try {
     // In slices, so that a peer that closed its world or died is named
     // within a slice instead of at the timeout.
-    while (!detail::wait_work_for(work, kWaitSlice)) {
+    while (!work.wait_for(kWaitSlice)) {
       if (impl.ledger) {
         impl.ledger->check_peers(seq, operation);
       }
       if (std::chrono::steady_clock::now() >= deadline) {
-        detail::wait_work(work, std::chrono::milliseconds(1)); // the backend's timeout
+        timed_out(work.stall());
       }
     }
+    impl.completed(seq);
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
@@ -121,13 +151,7 @@ void complete(
       impl.ledger->check_peers(seq, operation); // a peer that closed says more
     }
     if (cause.find("imed out") != std::string::npos) {
-      LOCKSTEP_FAIL(
-          TimeoutError, "rank ", config.rank, ": ", what,
-          " did not complete within ", detail::seconds(config.timeout), ": ",
-          impl.ledger ? impl.ledger->attendance(seq) : std::string("a peer is not taking part"),
-          ". A rank that stopped, or runs a different collective, leaves the "
-          "others waiting; raise the limit with LOCKSTEP_TIMEOUT (seconds) "
-          "if it is only slow.\n  cause: ", cause);
+      timed_out(cause); // the backend's own limit, which is the world's
     }
     LOCKSTEP_FAIL(
         CollectiveError, "rank ", config.rank, ": ", what, " failed: ",
@@ -151,25 +175,6 @@ void run_collective(World::Impl& impl, const std::string& operation, Start start
   }
 }
 
-} // namespace
-
-struct PendingCollective::State {
-  std::shared_ptr<World::Impl> world;
-  uint64_t seq = 0;
-  std::string what;
-  c10::intrusive_ptr<c10d::Work> work;
-  at::Tensor tensor;
-  at::Tensor travelling; // `tensor`, or its float32 copy for bfloat16
-  ReduceOp op = ReduceOp::Sum;
-  bool done = false;
-  // Set by the backend's completion callback, which may run before or
-  // after wait() begins; shared because the callback may outlive this.
-  std::shared_ptr<std::atomic<int64_t>> completed_ns =
-      std::make_shared<std::atomic<int64_t>>(0);
-};
-
-namespace {
-
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              detail::timeline::Clock::now().time_since_epoch())
@@ -178,12 +183,22 @@ int64_t now_ns() {
 
 } // namespace
 
+struct PendingCollective::State {
+  std::shared_ptr<World::Impl> world;
+  uint64_t seq = 0;
+  std::string what;
+  std::unique_ptr<detail::TransportWork> work;
+  at::Tensor tensor;
+  ReduceOp op = ReduceOp::Sum;
+  bool done = false;
+  int64_t completed_ns = 0;
+};
+
 PendingCollective::PendingCollective(std::shared_ptr<State> state)
     : state_(std::move(state)) {}
 
 std::chrono::steady_clock::time_point PendingCollective::completed_at() const {
-  return std::chrono::steady_clock::time_point(
-      std::chrono::nanoseconds(state_->completed_ns->load()));
+  return std::chrono::steady_clock::time_point(std::chrono::nanoseconds(state_->completed_ns));
 }
 
 void PendingCollective::wait() {
@@ -193,10 +208,9 @@ void PendingCollective::wait() {
   }
   state.done = true;
   complete(*state.world, state.seq, state.what, *state.work);
-  int64_t unset = 0;
-  state.completed_ns->compare_exchange_strong(unset, now_ns());
-  if (!state.travelling.is_same(state.tensor)) {
-    state.tensor.copy_(state.travelling);
+  state.completed_ns = state.work->completed_ns();
+  if (state.completed_ns == 0) {
+    state.completed_ns = now_ns();
   }
   if (state.op == ReduceOp::Average) {
     int size = state.world->config.size;
@@ -238,6 +252,10 @@ void World::set_debug(DebugLevel level) {
   }
 }
 
+const std::string& World::transport() const {
+  return impl_->transport_description;
+}
+
 c10::intrusive_ptr<c10d::Store> World::store() const {
   return impl_->store;
 }
@@ -254,12 +272,22 @@ c10::intrusive_ptr<c10d::ProcessGroup> World::process_group(
   if (!impl_->cuda_group) {
     auto store = c10::make_intrusive<c10d::PrefixStore>("nccl/", impl_->store);
     impl_->cuda_group = detail::make_nccl_group(store, impl_->group_options());
+    impl_->cuda_transport =
+        std::make_shared<detail::ProcessGroupTransport>(impl_->cuda_group, "NCCL");
   }
   return impl_->cuda_group;
 }
 
+detail::Transport& World::Impl::transport_for(const at::Tensor& tensor) {
+  if (tensor.device().is_cpu()) {
+    return *cpu_transport;
+  }
+  (void)World(shared_from_this()).process_group(tensor.device());
+  return *cuda_transport;
+}
+
 void World::barrier() {
-  run_collective(*impl_, "barrier", [&] { return detail::start_barrier(*impl_->cpu_group); });
+  run_collective(*impl_, "barrier", [&] { return impl_->cpu_transport->barrier(); });
 }
 
 void World::broadcast(at::Tensor& tensor, int root, const std::string& description) {
@@ -269,10 +297,8 @@ void World::broadcast(at::Tensor& tensor, int root, const std::string& descripti
   std::string operation = description.empty()
       ? detail::str("broadcast from rank ", root, " of ", describe(tensor))
       : description;
-  run_collective(*impl_, operation, [&] {
-        return detail::start_broadcast(*process_group(tensor.device()),
-                                       detail::bitwise_view(tensor), root);
-      });
+  run_collective(*impl_, operation,
+                 [&] { return impl_->transport_for(tensor).broadcast(tensor, root); });
 }
 
 void World::all_reduce(at::Tensor& tensor, ReduceOp op) {
@@ -293,32 +319,24 @@ PendingCollective World::all_reduce_async(
   state->seq = impl_->begin(description);
   state->tensor = tensor;
   state->op = op;
-  auto travelling_type = detail::reduction_type(tensor);
-  state->travelling = travelling_type == tensor.scalar_type()
-      ? tensor
-      : tensor.to(travelling_type);
-  state->work = detail::start_all_reduce(
-      *process_group(tensor.device()), state->travelling, op);
-  if (detail::timeline::enabled()) {
-    detail::when_done(*state->work, [completed = state->completed_ns] {
-      completed->store(now_ns());
-    });
-  }
+  state->work = impl_->transport_for(tensor).all_reduce(tensor, op);
   return PendingCollective(std::move(state));
 }
 
 std::vector<at::Tensor> World::all_gather(const at::Tensor& tensor) {
   std::vector<at::Tensor> outputs;
-  std::vector<at::Tensor> travelling;
   for (int rank = 0; rank < size(); ++rank) {
     outputs.push_back(at::empty_like(tensor, at::MemoryFormat::Contiguous));
-    travelling.push_back(detail::bitwise_view(outputs.back()));
   }
-  auto input = detail::bitwise_view(tensor.contiguous());
+  auto input = tensor.contiguous();
   run_collective(*impl_, detail::str("all_gather of ", describe(tensor)), [&] {
-    return detail::start_all_gather(*process_group(tensor.device()), travelling, input);
+    return impl_->transport_for(tensor).all_gather(outputs, input);
   });
   return outputs;
+}
+
+at::Tensor World::allocate(int64_t numel, at::ScalarType dtype) {
+  return impl_->cpu_transport->allocate(numel, dtype);
 }
 
 std::vector<std::string> World::all_gather_strings(const std::string& value) {
@@ -349,6 +367,7 @@ std::vector<std::string> World::all_gather_strings(const std::string& value) {
     auto bytes = store.get(key(round, rank));
     values.emplace_back(bytes.begin(), bytes.end());
   }
+  impl_->completed(seq);
   return values;
 }
 
@@ -358,15 +377,23 @@ World init(const WorldOptions& options) {
   detail::timeline::start(impl->config.rank);
   impl->job_store = detail::connect_job_store(impl->config);
   impl->store = impl->job_store->store();
+  std::vector<detail::ProcessIdentity> peers{detail::this_process()};
   if (impl->config.size > 1) {
-    auto peers = detail::join(impl->store, impl->config, impl->job_store->nonce());
+    peers = detail::join(impl->store, impl->config, impl->job_store->nonce());
     impl->ledger = std::make_unique<detail::Ledger>(
         impl->job_store->ledger_board(impl->config.rank, impl->config.size),
-        impl->config.rank, std::move(peers), impl->config.timeout,
+        impl->config.rank, peers, impl->config.timeout,
         /*compare=*/impl->config.debug == DebugLevel::Detail);
   }
   auto gloo_store = c10::make_intrusive<c10d::PrefixStore>("gloo/", impl->store);
   impl->cpu_group = detail::make_gloo_group(gloo_store, impl->group_options());
+  impl->cpu_transport =
+      detail::choose_transport(impl->config, impl->store, peers, impl->cpu_group);
+  impl->transport_description = impl->cpu_transport->describe();
+  if (impl->config.debug != DebugLevel::Off) {
+    std::cerr << "lockstep INFO rank " << impl->config.rank << ": collectives of CPU tensors go "
+              << "through " << impl->transport_description << std::endl;
+  }
   return World(std::move(impl));
 }
 

@@ -1,0 +1,207 @@
+#include "transport/shm_transport.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <lockstep/error.h>
+
+namespace lockstep::detail {
+namespace {
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+class ShmWork : public TransportWork {
+ public:
+  ShmWork(std::shared_ptr<ShmTransport> transport,
+          std::shared_ptr<ShmOp> op,
+          at::Tensor result,
+          at::Tensor travelling)
+      : transport_(std::move(transport)),
+        op_(std::move(op)),
+        result_(std::move(result)),
+        travelling_(std::move(travelling)) {}
+
+  bool wait_for(std::chrono::milliseconds slice) override {
+    if (!transport_->wait_for(*op_, slice)) {
+      return false;
+    }
+    if (result_.defined() && result_.data_ptr() != travelling_.data_ptr()) {
+      result_.copy_(travelling_);
+    }
+    return true;
+  }
+
+  std::string stall() override {
+    return "waiting for " + transport_->waiting_for(*op_);
+  }
+
+  int64_t completed_ns() const override {
+    return op_->completed_ns;
+  }
+
+ private:
+  std::shared_ptr<ShmTransport> transport_;
+  std::shared_ptr<ShmOp> op_;
+  at::Tensor result_;
+  at::Tensor travelling_;
+};
+
+at::Tensor contiguous(const at::Tensor& tensor) {
+  return tensor.is_contiguous() ? tensor : tensor.contiguous();
+}
+
+} // namespace
+
+ShmTransport::ShmTransport(c10::intrusive_ptr<c10d::Store> store,
+                           HostGroup group,
+                           std::unique_ptr<Staging> staging)
+    : store_(std::move(store)), group_(std::move(group)), staging_(std::move(staging)) {
+  context_.staging = staging_.get();
+  context_.me = group_.index;
+  context_.ranks = group_.ranks;
+}
+
+std::shared_ptr<ShmTransport> ShmTransport::create(c10::intrusive_ptr<c10d::Store> store,
+                                                   const HostGroup& group,
+                                                   std::string& failure) {
+  int ranks = static_cast<int>(group.ranks.size());
+  auto shared = share_mapping(*store, "transport/shm/staging", group, Staging::bytes_for(ranks));
+  if (!shared.mapping) {
+    failure = shared.failure;
+    return nullptr;
+  }
+  return std::shared_ptr<ShmTransport>(new ShmTransport(
+      std::move(store), group, std::make_unique<Staging>(std::move(shared.mapping), ranks)));
+}
+
+std::string ShmTransport::describe() const {
+  return str("shared memory (", group_.ranks.size(), " ranks on this host)");
+}
+
+std::unique_ptr<TransportWork> ShmTransport::begin(std::shared_ptr<ShmOp> op,
+                                                   at::Tensor result,
+                                                   at::Tensor travelling) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    queue_.push_back(op);
+    progress();
+  }
+  return std::make_unique<ShmWork>(shared_from_this(), std::move(op), std::move(result),
+                                   std::move(travelling));
+}
+
+void ShmTransport::progress() {
+  while (!queue_.empty() && queue_.front()->advance(context_)) {
+    queue_.front()->done = true;
+    queue_.front()->completed_ns = now_ns();
+    queue_.pop_front();
+  }
+  if (context_.posted) {
+    context_.posted = false;
+    staging_->bell().ring();
+  }
+}
+
+bool ShmTransport::wait_for(ShmOp& op, std::chrono::milliseconds slice) {
+  auto deadline = std::chrono::steady_clock::now() + slice;
+  auto& bell = staging_->bell();
+  while (true) {
+    // Read before looking, so that a post in between wakes the sleep.
+    uint32_t seen = bell.now();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      progress();
+      if (op.done) {
+        return true;
+      }
+    }
+    if (!bell.sleep(seen, deadline)) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      progress();
+      return op.done;
+    }
+  }
+}
+
+std::string ShmTransport::waiting_for(const ShmOp& op) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& queued : queue_) {
+    if (queued.get() != &op) {
+      return queued->waiting_for(context_) + ", for an earlier collective";
+    }
+    return op.waiting_for(context_);
+  }
+  return "nothing (it has completed)";
+}
+
+std::unique_ptr<TransportWork> ShmTransport::all_reduce(const at::Tensor& tensor, ReduceOp op) {
+  std::shared_ptr<Arena> arena;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto found = arenas_.find(tensor.data_ptr());
+    if (found != arenas_.end() && tensor.is_contiguous()) {
+      arena = found->second.lock();
+    }
+    if (arena && static_cast<size_t>(tensor.nbytes()) <= arena->region_bytes) {
+      auto work = make_arena_op(context_, arena, tensor.scalar_type(), tensor.numel(), op);
+      std::shared_ptr<ShmOp> shared(std::move(work));
+      queue_.push_back(shared);
+      progress();
+      return std::make_unique<ShmWork>(shared_from_this(), std::move(shared), at::Tensor(),
+                                       at::Tensor());
+    }
+  }
+  auto travelling = contiguous(tensor);
+  return begin(make_staged_op(context_, StagedKind::AllReduce, travelling, {}, op, 0), tensor,
+               travelling);
+}
+
+std::unique_ptr<TransportWork> ShmTransport::broadcast(const at::Tensor& tensor, int root) {
+  auto travelling = contiguous(tensor);
+  // The root as an index in this host's group, which is the whole world.
+  return begin(make_staged_op(context_, StagedKind::Broadcast, travelling, {}, ReduceOp::Sum, root),
+               tensor, travelling);
+}
+
+std::unique_ptr<TransportWork> ShmTransport::all_gather(const std::vector<at::Tensor>& outputs,
+                                                        const at::Tensor& input) {
+  return begin(make_staged_op(context_, StagedKind::AllGather, contiguous(input), outputs,
+                              ReduceOp::Sum, 0));
+}
+
+std::unique_ptr<TransportWork> ShmTransport::barrier() {
+  return begin(make_staged_op(context_, StagedKind::Barrier, at::Tensor(), {}, ReduceOp::Sum, 0));
+}
+
+at::Tensor ShmTransport::allocate(int64_t numel, at::ScalarType dtype) {
+  size_t bytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
+  if (bytes == 0) {
+    return Transport::allocate(numel, dtype);
+  }
+  int ranks = static_cast<int>(group_.ranks.size());
+  auto shared = share_mapping(*store_, str("transport/shm/arena/", ++arenas_made_), group_,
+                              Arena::bytes_for(ranks, bytes));
+  if (!shared.mapping) {
+    // Every rank learned the same: this tensor goes through the staging
+    // buffers instead, which costs a copy in and out.
+    return Transport::allocate(numel, dtype);
+  }
+  auto arena = std::make_shared<Arena>(std::move(shared.mapping), ranks, bytes);
+  char* mine = arena->region(group_.index);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto it = arenas_.begin(); it != arenas_.end();) {
+      it = it->second.expired() ? arenas_.erase(it) : std::next(it);
+    }
+    arenas_[mine] = arena;
+  }
+  return at::from_blob(
+      mine, {numel}, [arena](void*) mutable { arena.reset(); },
+      at::TensorOptions().dtype(dtype));
+}
+
+} // namespace lockstep::detail

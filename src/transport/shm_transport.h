@@ -1,0 +1,66 @@
+#pragma once
+
+// Collectives at memory speed between the ranks of one host, through
+// memory they share (see shm_layout.h for where things are and shm_ops.h
+// for the operations). Operations run in the order they were begun, the
+// same on every rank; each advances whenever its rank calls into the
+// transport (beginning another operation, or waiting), so no thread of
+// its own competes with the model for the cores. All results are
+// bit-identical on every rank: each slice of a sum is computed once.
+
+#include <deque>
+#include <map>
+#include <mutex>
+
+#include "transport/shm_ops.h"
+#include "transport/transport.h"
+
+namespace c10d {
+class Store;
+} // namespace c10d
+
+namespace lockstep::detail {
+
+class ShmTransport : public Transport, public std::enable_shared_from_this<ShmTransport> {
+ public:
+  /// Collective among `group`, whose ranks must be the whole world: maps
+  /// the staging segment. On failure (the same on every rank), returns
+  /// null and sets `failure` to why.
+  static std::shared_ptr<ShmTransport> create(c10::intrusive_ptr<c10d::Store> store,
+                                              const HostGroup& group,
+                                              std::string& failure);
+
+  std::string describe() const override;
+  std::unique_ptr<TransportWork> all_reduce(const at::Tensor& tensor, ReduceOp op) override;
+  std::unique_ptr<TransportWork> broadcast(const at::Tensor& tensor, int root) override;
+  std::unique_ptr<TransportWork> all_gather(const std::vector<at::Tensor>& outputs,
+                                            const at::Tensor& input) override;
+  std::unique_ptr<TransportWork> barrier() override;
+  /// A tensor in an arena that every rank of the host maps (shm_layout.h).
+  at::Tensor allocate(int64_t numel, at::ScalarType dtype) override;
+
+  /// Advances `op` (and every operation before it); returns once it is
+  /// complete (true) or `slice` has passed (false).
+  bool wait_for(ShmOp& op, std::chrono::milliseconds slice);
+  std::string waiting_for(const ShmOp& op);
+
+ private:
+  ShmTransport(c10::intrusive_ptr<c10d::Store> store, HostGroup group, std::unique_ptr<Staging> staging);
+
+  std::unique_ptr<TransportWork> begin(std::shared_ptr<ShmOp> op, at::Tensor result = {},
+                                       at::Tensor travelling = {});
+  // Advances the queue, in order, as far as the peers' posts allow.
+  void progress();
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  HostGroup group_;
+  std::unique_ptr<Staging> staging_;
+  std::mutex mutex_;
+  ShmContext context_;
+  std::deque<std::shared_ptr<ShmOp>> queue_;
+  // This rank's tensor of each arena, by its address.
+  std::map<const void*, std::weak_ptr<Arena>> arenas_;
+  uint64_t arenas_made_ = 0;
+};
+
+} // namespace lockstep::detail
