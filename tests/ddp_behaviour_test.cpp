@@ -15,7 +15,7 @@
 namespace lockstep::testing {
 namespace {
 
-class Behaviour : public ::testing::TestWithParam<int> {};
+class Behaviour : public ::testing::TestWithParam<WorldSetup> {};
 
 auto plain_forward = [](auto& model, torch::Tensor x, int64_t, int) {
   return model(x);
@@ -285,10 +285,8 @@ TEST(DdpModuleTypes, SharedPtrAndAnyModuleAndArrow) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(WorldSize, Behaviour, ::testing::Values(1, 2, 3, 4),
-                         [](const auto& info) {
-                           return "world" + std::to_string(info.param);
-                         });
+INSTANTIATE_TEST_SUITE_P(WorldSize, Behaviour, ::testing::ValuesIn(every_world_setup()),
+                         [](const auto& info) { return info.param.name(); });
 
 } // namespace
 } // namespace lockstep::testing

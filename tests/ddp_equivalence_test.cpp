@@ -3,6 +3,7 @@
 // each other; over world sizes 1 to 4 and every bucket and option setting.
 // Float64 throughout, so that "the same" is exact in kind on every CPU
 // (kFloat64Tolerance says why); float32 against the float64 trajectory.
+// From 2 ranks on, once over shared memory and once over Gloo.
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -36,15 +37,15 @@ const NamedOptions kSettings[] = {
          .gradient_as_bucket_view(false).static_graph(true)},
 };
 
-class Equivalence : public ::testing::TestWithParam<std::tuple<int, int>> {};
+class Equivalence : public ::testing::TestWithParam<std::tuple<WorldSetup, int>> {};
 
 auto plain_forward = [](auto& model, torch::Tensor x, int64_t, int) {
   return model(x);
 };
 
 TEST_P(Equivalence, MatchesOneProcessOnTheWholeBatch) {
-  auto [world_size, setting] = GetParam();
-  run_ranks(world_size, [setting = setting](int) {
+  auto [world, setting] = GetParam();
+  run_ranks(world, [setting = setting](int) {
     World world = init();
     const auto& options = kSettings[setting].options;
     for (auto optimizer : {OptimizerKind::Sgd, OptimizerKind::Adam}) {
@@ -81,11 +82,10 @@ TEST_P(Equivalence, MatchesOneProcessOnTheWholeBatch) {
 INSTANTIATE_TEST_SUITE_P(
     WorldSizeAndSetting,
     Equivalence,
-    ::testing::Combine(::testing::Values(1, 2, 3, 4),
+    ::testing::Combine(::testing::ValuesIn(every_world_setup()),
                        ::testing::Range(0, static_cast<int>(std::size(kSettings)))),
     [](const auto& info) {
-      return "world" + std::to_string(std::get<0>(info.param)) + "_" +
-          kSettings[std::get<1>(info.param)].name;
+      return std::get<0>(info.param).name() + "_" + kSettings[std::get<1>(info.param)].name;
     });
 
 // Float32, as most models train: both the DDP model and the one-process
@@ -132,7 +132,7 @@ INSTANTIATE_TEST_SUITE_P(WorldSize, Float32Equivalence, ::testing::Values(1, 2, 
                            return "world" + std::to_string(info.param);
                          });
 
-class ModelKinds : public ::testing::TestWithParam<int> {};
+class ModelKinds : public ::testing::TestWithParam<WorldSetup> {};
 
 TEST_P(ModelKinds, FrozenLayerIsLeftOut) {
   run_ranks(GetParam(), [](int) {
@@ -187,10 +187,8 @@ TEST_P(ModelKinds, EachDtypeHasItsOwnBuckets) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(WorldSize, ModelKinds, ::testing::Values(1, 2, 3, 4),
-                         [](const auto& info) {
-                           return "world" + std::to_string(info.param);
-                         });
+INSTANTIATE_TEST_SUITE_P(WorldSize, ModelKinds, ::testing::ValuesIn(every_world_setup()),
+                         [](const auto& info) { return info.param.name(); });
 
 } // namespace
 } // namespace lockstep::testing

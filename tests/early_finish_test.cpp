@@ -14,6 +14,7 @@
 #include <lockstep/lockstep.h>
 
 #include "support/documented_error.h"
+#include "support/expect_error.h"
 #include "support/models.h"
 #include "support/multiprocess.h"
 #include "support/training.h"
@@ -128,6 +129,28 @@ INSTANTIATE_TEST_SUITE_P(
           (c.uneven == Uneven::ExtraOnRankZero ? "_extra_on_rank0" : "_fewer_on_rank0") +
           (c.detail ? "_detail" : "") + (std::string(c.store) == "tcp" ? "_tcp_store" : "");
     });
+
+TEST(EarlyFinish, ARankThatFailsIsNamedAsFailing) {
+  // Rank 1's own error (here a bad input of the program's) closes its world
+  // while the exception unwinds: rank 0 must not blame uneven batches.
+  auto result = launch_ranks({}, [](int rank) {
+    World world = init();
+    auto tensor = torch::ones({4});
+    world.all_reduce(tensor);
+    if (rank == 1) {
+      throw std::runtime_error("a corrupt batch");
+    }
+    expect_error<CollectiveError>(
+        [&] { world.all_reduce(tensor); },
+        {"rank 0: all_reduce of Float [4] #2 cannot complete: rank 1 stopped with an error "
+         "having completed 1 collective(s), so it will never complete this one; its own "
+         "output says why."});
+  });
+  if (!in_rank_process()) {
+    EXPECT_TRUE(result.ranks.at(0).ok()) << result.report();
+    EXPECT_NE(result.ranks.at(1).output.find("a corrupt batch"), std::string::npos);
+  }
+}
 
 } // namespace
 } // namespace lockstep::testing

@@ -13,6 +13,7 @@
 #include "transport/transport.h"
 #include "world/process_identity.h"
 #include "world/resolve.h"
+#include "world/torch_compat.h"
 
 namespace c10d {
 class ProcessGroup;
@@ -22,12 +23,14 @@ class Store;
 namespace lockstep::detail {
 
 /// Collective. `gloo` is the world's Gloo group, the fallback and the
-/// transport across hosts. Raises ConfigError when the configuration asks
+/// transport across hosts; `group_options` are its options, from which the
+/// groups of each local index across hosts are made. Raises ConfigError when the configuration asks
 /// for shared memory that cannot be had; with `auto`, falls back to Gloo
 /// and prints (on rank 0) one line that says why and how to fix it.
 std::shared_ptr<Transport> choose_transport(const WorldConfig& config,
                                             const c10::intrusive_ptr<c10d::Store>& store,
                                             const std::vector<ProcessIdentity>& peers,
-                                            const c10::intrusive_ptr<c10d::ProcessGroup>& gloo);
+                                            const c10::intrusive_ptr<c10d::ProcessGroup>& gloo,
+                                            const GroupOptions& group_options);
 
 } // namespace lockstep::detail

@@ -276,8 +276,9 @@ class ArenaOp : public ShmOp {
           std::shared_ptr<Arena> arena,
           at::ScalarType type,
           int64_t elements,
-          ReduceOp op)
-      : arena_(std::move(arena)), type_(type), elements_(elements), op_(op) {
+          ReduceOp op,
+          Transport* across)
+      : arena_(std::move(arena)), type_(type), elements_(elements), op_(op), across_(across) {
     TORCH_INTERNAL_ASSERT(arena_->idle, "an all-reduce of a shared tensor began before the "
                           "previous one on it completed");
     arena_->idle = false;
@@ -288,16 +289,32 @@ class ArenaOp : public ShmOp {
 
   bool advance(ShmContext& context) override {
     int ranks = context.size();
-    if (!reduced_) {
+    if (phase_ == Phase::Reduce) {
       for (int p = 0; p < ranks; ++p) {
         if (arena_->ready(p).get() < number_) {
           return false;
         }
       }
       reduce_my_slice(context);
+      auto [first, last] = slice_of(elements_, ranks, context.me);
+      if (across_ != nullptr && last > first) {
+        across_work_ = across_->all_reduce(slice(0, first, last), op_);
+      }
+      phase_ = Phase::Across;
+    }
+    if (phase_ == Phase::Across) {
+      try {
+        if (across_work_ && !across_work_->wait_for(std::chrono::milliseconds(0))) {
+          return false;
+        }
+      } catch (...) {
+        failure = std::current_exception();
+        return false;
+      }
+      push_my_slice(context);
       arena_->reduced(context.me).post(number_);
       context.posted = true;
-      reduced_ = true;
+      phase_ = Phase::Complete;
     }
     for (int p = 0; p < ranks; ++p) {
       if (arena_->reduced(p).get() < number_) {
@@ -309,42 +326,81 @@ class ArenaOp : public ShmOp {
   }
 
   std::string waiting_for(const ShmContext& context) const override {
-    if (!reduced_) {
-      return behind(context, [&](int p) { return arena_->ready(p).get() < number_; }) +
-          " to finish their part of this tensor (shared memory)";
+    switch (phase_) {
+      case Phase::Reduce:
+        return behind(context, [&](int p) { return arena_->ready(p).get() < number_; }) +
+            " to finish their part of this tensor (shared memory)";
+      case Phase::Across:
+        return "the ranks of this local index on the other hosts (Gloo): " +
+            across_work_->stall();
+      default:
+        return behind(context, [&](int p) { return arena_->reduced(p).get() < number_; }) +
+            " to reduce their slice of this tensor (shared memory)";
     }
-    return behind(context, [&](int p) { return arena_->reduced(p).get() < number_; }) +
-        " to reduce their slice of this tensor (shared memory)";
+  }
+
+  bool waits_outside() const override {
+    return phase_ == Phase::Across && across_work_ != nullptr;
   }
 
  private:
+  enum class Phase { Reduce, Across, Complete };
+
+  at::Tensor slice(int p, int64_t first, int64_t last) const {
+    auto element_bytes = static_cast<int64_t>(c10::elementSize(type_));
+    return view(arena_->region(p) + first * element_bytes, last - first, type_);
+  }
+
   // Only this rank touches its slice, in every rank's tensor: read all,
-  // reduce into rank 0's, copy that to the others while still in cache.
+  // reduce into rank 0's, in pieces that stay in cache. On one host, each
+  // piece is pushed to the others at once, while still in cache.
   void reduce_my_slice(ShmContext& context) {
     int ranks = context.size();
-    auto element_bytes = static_cast<int64_t>(c10::elementSize(type_));
     auto [first, last] = slice_of(elements_, ranks, context.me);
-    int64_t chunk = std::max<int64_t>(1, static_cast<int64_t>(kArenaChunkBytes) / element_bytes);
-    for (int64_t begin = first; begin < last; begin += chunk) {
-      int64_t length = std::min(chunk, last - begin);
+    for (int64_t begin = first; begin < last; begin += chunk()) {
+      int64_t end = std::min(last, begin + chunk());
       std::vector<at::Tensor> inputs;
       for (int p = 0; p < ranks; ++p) {
-        inputs.push_back(view(arena_->region(p) + begin * element_bytes, length, type_));
+        inputs.push_back(slice(p, begin, end));
       }
       reduce_into(context, inputs[0], inputs, op_);
-      for (int p = 1; p < ranks; ++p) {
-        std::memcpy(inputs[p].data_ptr(), inputs[0].data_ptr(),
-                    static_cast<size_t>(length * element_bytes));
+      if (across_ == nullptr) {
+        copy_to_others(context, begin, end);
       }
     }
+  }
+
+  // Across hosts the pieces wait for the other hosts' sums first.
+  void push_my_slice(ShmContext& context) {
+    if (across_ == nullptr) {
+      return;
+    }
+    auto [first, last] = slice_of(elements_, context.size(), context.me);
+    copy_to_others(context, first, last);
+  }
+
+  void copy_to_others(const ShmContext& context, int64_t first, int64_t last) {
+    auto element_bytes = static_cast<int64_t>(c10::elementSize(type_));
+    for (int p = 1; p < context.size(); ++p) {
+      std::memcpy(arena_->region(p) + first * element_bytes,
+                  arena_->region(0) + first * element_bytes,
+                  static_cast<size_t>((last - first) * element_bytes));
+    }
+  }
+
+  int64_t chunk() const {
+    return std::max<int64_t>(
+        1, static_cast<int64_t>(kArenaChunkBytes / c10::elementSize(type_)));
   }
 
   std::shared_ptr<Arena> arena_;
   at::ScalarType type_;
   int64_t elements_;
   ReduceOp op_;
+  Transport* across_;
+  std::unique_ptr<TransportWork> across_work_;
   uint64_t number_ = 0;
-  bool reduced_ = false;
+  Phase phase_ = Phase::Reduce;
 };
 
 } // namespace
@@ -370,8 +426,9 @@ std::unique_ptr<ShmOp> make_arena_op(ShmContext& context,
                                      std::shared_ptr<Arena> arena,
                                      at::ScalarType dtype,
                                      int64_t numel,
-                                     ReduceOp op) {
-  return std::make_unique<ArenaOp>(context, std::move(arena), dtype, numel, op);
+                                     ReduceOp op,
+                                     Transport* across) {
+  return std::make_unique<ArenaOp>(context, std::move(arena), dtype, numel, op, across);
 }
 
 } // namespace lockstep::detail

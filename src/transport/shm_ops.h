@@ -6,6 +6,7 @@
 // through the staging buffers in rounds; an arena all-reduce works in place
 // on the ranks' tensors.
 
+#include <exception>
 #include <memory>
 #include <string>
 #include <vector>
@@ -15,6 +16,7 @@
 #include <lockstep/world.h>
 
 #include "transport/shm_layout.h"
+#include "transport/transport.h"
 
 namespace lockstep::detail {
 
@@ -46,9 +48,17 @@ class ShmOp {
   virtual bool advance(ShmContext& context) = 0;
   /// The ranks this operation waits for, and what for.
   virtual std::string waiting_for(const ShmContext& context) const = 0;
+  /// Whether it waits for something that rings no doorbell (a collective
+  /// across hosts): its waiter then looks often instead of sleeping.
+  virtual bool waits_outside() const {
+    return false;
+  }
 
   bool done = false;
   int64_t completed_ns = 0;
+  /// Set when what it waited for outside failed (a host lost): it will
+  /// never complete, and its waiters raise this.
+  std::exception_ptr failure;
 };
 
 enum class StagedKind { AllReduce, Broadcast, AllGather, Barrier };
@@ -64,11 +74,15 @@ std::unique_ptr<ShmOp> make_staged_op(ShmContext& context,
                                       int root_index);
 
 /// An in-place all-reduce of the arena's tensors; posts this rank's data as
-/// ready at once.
+/// ready at once. With `across` (ranks on several hosts), this rank's slice,
+/// once reduced within the host, is all-reduced over `across` with the
+/// ranks of the same local index on the other hosts before it is pushed to
+/// the host's tensors.
 std::unique_ptr<ShmOp> make_arena_op(ShmContext& context,
                                      std::shared_ptr<Arena> arena,
                                      at::ScalarType dtype,
                                      int64_t numel,
-                                     ReduceOp op);
+                                     ReduceOp op,
+                                     Transport* across);
 
 } // namespace lockstep::detail

@@ -54,12 +54,50 @@ at::Tensor contiguous(const at::Tensor& tensor) {
   return tensor.is_contiguous() ? tensor : tensor.contiguous();
 }
 
+// How long a waiter sleeps between looks when an operation waits for a
+// collective across hosts, which rings no doorbell.
+constexpr auto kOutsidePoll = std::chrono::microseconds(100);
+
 } // namespace
+
+class AlongsideWork : public TransportWork {
+ public:
+  AlongsideWork(std::shared_ptr<ShmTransport> transport, std::unique_ptr<TransportWork> work)
+      : transport_(std::move(transport)), work_(std::move(work)) {}
+
+  bool wait_for(std::chrono::milliseconds slice) override {
+    auto deadline = std::chrono::steady_clock::now() + slice;
+    do {
+      {
+        std::lock_guard<std::mutex> lock(transport_->mutex_);
+        transport_->progress();
+      }
+      if (work_->wait_for(std::chrono::milliseconds(1))) {
+        return true;
+      }
+    } while (std::chrono::steady_clock::now() < deadline);
+    return false;
+  }
+  std::string stall() override {
+    return work_->stall();
+  }
+  int64_t completed_ns() const override {
+    return work_->completed_ns();
+  }
+
+ private:
+  std::shared_ptr<ShmTransport> transport_;
+  std::unique_ptr<TransportWork> work_;
+};
 
 ShmTransport::ShmTransport(c10::intrusive_ptr<c10d::Store> store,
                            HostGroup group,
+                           Hosts hosts,
                            std::unique_ptr<Staging> staging)
-    : store_(std::move(store)), group_(std::move(group)), staging_(std::move(staging)) {
+    : store_(std::move(store)),
+      group_(std::move(group)),
+      hosts_(std::move(hosts)),
+      staging_(std::move(staging)) {
   context_.staging = staging_.get();
   context_.me = group_.index;
   context_.ranks = group_.ranks;
@@ -67,6 +105,7 @@ ShmTransport::ShmTransport(c10::intrusive_ptr<c10d::Store> store,
 
 std::shared_ptr<ShmTransport> ShmTransport::create(c10::intrusive_ptr<c10d::Store> store,
                                                    const HostGroup& group,
+                                                   Hosts hosts,
                                                    std::string& failure) {
   int ranks = static_cast<int>(group.ranks.size());
   auto shared = share_mapping(*store, "transport/shm/staging", group, Staging::bytes_for(ranks));
@@ -74,12 +113,21 @@ std::shared_ptr<ShmTransport> ShmTransport::create(c10::intrusive_ptr<c10d::Stor
     failure = shared.failure;
     return nullptr;
   }
-  return std::shared_ptr<ShmTransport>(new ShmTransport(
-      std::move(store), group, std::make_unique<Staging>(std::move(shared.mapping), ranks)));
+  return std::shared_ptr<ShmTransport>(
+      new ShmTransport(std::move(store), group, std::move(hosts),
+                       std::make_unique<Staging>(std::move(shared.mapping), ranks)));
 }
 
 std::string ShmTransport::describe() const {
+  if (hosts_.world) {
+    return str("shared memory within each host (", group_.ranks.size(), " ranks) and Gloo "
+               "across ", hosts_.count, " hosts");
+  }
   return str("shared memory (", group_.ranks.size(), " ranks on this host)");
+}
+
+std::unique_ptr<TransportWork> ShmTransport::alongside(std::unique_ptr<TransportWork> work) {
+  return std::make_unique<AlongsideWork>(shared_from_this(), std::move(work));
 }
 
 std::unique_ptr<TransportWork> ShmTransport::begin(std::shared_ptr<ShmOp> op,
@@ -95,7 +143,7 @@ std::unique_ptr<TransportWork> ShmTransport::begin(std::shared_ptr<ShmOp> op,
 }
 
 void ShmTransport::progress() {
-  while (!queue_.empty() && queue_.front()->advance(context_)) {
+  while (!queue_.empty() && !queue_.front()->failure && queue_.front()->advance(context_)) {
     queue_.front()->done = true;
     queue_.front()->completed_ns = now_ns();
     queue_.pop_front();
@@ -118,8 +166,18 @@ bool ShmTransport::wait_for(ShmOp& op, std::chrono::milliseconds slice) {
       if (op.done) {
         return true;
       }
+      if (queue_.front()->failure) {
+        std::rethrow_exception(queue_.front()->failure); // nothing after it completes
+      }
     }
-    if (!bell.sleep(seen, deadline)) {
+    bool outside = false;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      outside = !queue_.empty() && queue_.front()->waits_outside();
+    }
+    auto until = outside ? std::min(deadline, std::chrono::steady_clock::now() + kOutsidePoll)
+                         : deadline;
+    if (!bell.sleep(seen, until) && std::chrono::steady_clock::now() >= deadline) {
       std::lock_guard<std::mutex> lock(mutex_);
       progress();
       return op.done;
@@ -147,7 +205,8 @@ std::unique_ptr<TransportWork> ShmTransport::all_reduce(const at::Tensor& tensor
       arena = found->second.lock();
     }
     if (arena && static_cast<size_t>(tensor.nbytes()) <= arena->region_bytes) {
-      auto work = make_arena_op(context_, arena, tensor.scalar_type(), tensor.numel(), op);
+      auto work = make_arena_op(context_, arena, tensor.scalar_type(), tensor.numel(), op,
+                                hosts_.across.get());
       std::shared_ptr<ShmOp> shared(std::move(work));
       queue_.push_back(shared);
       progress();
@@ -155,12 +214,18 @@ std::unique_ptr<TransportWork> ShmTransport::all_reduce(const at::Tensor& tensor
                                        at::Tensor());
     }
   }
+  if (hosts_.world) {
+    return alongside(hosts_.world->all_reduce(tensor, op));
+  }
   auto travelling = contiguous(tensor);
   return begin(make_staged_op(context_, StagedKind::AllReduce, travelling, {}, op, 0), tensor,
                travelling);
 }
 
 std::unique_ptr<TransportWork> ShmTransport::broadcast(const at::Tensor& tensor, int root) {
+  if (hosts_.world) {
+    return alongside(hosts_.world->broadcast(tensor, root));
+  }
   auto travelling = contiguous(tensor);
   // The root as an index in this host's group, which is the whole world.
   return begin(make_staged_op(context_, StagedKind::Broadcast, travelling, {}, ReduceOp::Sum, root),
@@ -169,11 +234,17 @@ std::unique_ptr<TransportWork> ShmTransport::broadcast(const at::Tensor& tensor,
 
 std::unique_ptr<TransportWork> ShmTransport::all_gather(const std::vector<at::Tensor>& outputs,
                                                         const at::Tensor& input) {
+  if (hosts_.world) {
+    return alongside(hosts_.world->all_gather(outputs, input));
+  }
   return begin(make_staged_op(context_, StagedKind::AllGather, contiguous(input), outputs,
                               ReduceOp::Sum, 0));
 }
 
 std::unique_ptr<TransportWork> ShmTransport::barrier() {
+  if (hosts_.world) {
+    return alongside(hosts_.world->barrier());
+  }
   return begin(make_staged_op(context_, StagedKind::Barrier, at::Tensor(), {}, ReduceOp::Sum, 0));
 }
 

@@ -23,11 +23,22 @@ namespace lockstep::detail {
 
 class ShmTransport : public Transport, public std::enable_shared_from_this<ShmTransport> {
  public:
-  /// Collective among `group`, whose ranks must be the whole world: maps
-  /// the staging segment. On failure (the same on every rank), returns
-  /// null and sets `failure` to why.
+  /// Beyond one host: `across`, a Gloo group of the ranks of the same local
+  /// index on every host, carries each rank's slice of an allocated
+  /// tensor's sum between hosts; `world`, the world's Gloo group, carries
+  /// every other collective.
+  struct Hosts {
+    std::shared_ptr<Transport> across;
+    std::shared_ptr<Transport> world;
+    int count = 1;
+  };
+
+  /// Collective among `group` (the whole world, or this host's ranks with
+  /// `hosts`): maps the staging segment. On failure (the same on every rank
+  /// of the group), returns null and sets `failure` to why.
   static std::shared_ptr<ShmTransport> create(c10::intrusive_ptr<c10d::Store> store,
                                               const HostGroup& group,
+                                              Hosts hosts,
                                               std::string& failure);
 
   std::string describe() const override;
@@ -45,15 +56,24 @@ class ShmTransport : public Transport, public std::enable_shared_from_this<ShmTr
   std::string waiting_for(const ShmOp& op);
 
  private:
-  ShmTransport(c10::intrusive_ptr<c10d::Store> store, HostGroup group, std::unique_ptr<Staging> staging);
+  ShmTransport(c10::intrusive_ptr<c10d::Store> store,
+               HostGroup group,
+               Hosts hosts,
+               std::unique_ptr<Staging> staging);
 
   std::unique_ptr<TransportWork> begin(std::shared_ptr<ShmOp> op, at::Tensor result = {},
                                        at::Tensor travelling = {});
+  // A collective of the world's Gloo group, whose waiter keeps advancing
+  // this host's queue (a peer may need this rank's slice first).
+  std::unique_ptr<TransportWork> alongside(std::unique_ptr<TransportWork> work);
   // Advances the queue, in order, as far as the peers' posts allow.
   void progress();
 
+  friend class AlongsideWork;
+
   c10::intrusive_ptr<c10d::Store> store_;
   HostGroup group_;
+  Hosts hosts_;
   std::unique_ptr<Staging> staging_;
   std::mutex mutex_;
   ShmContext context_;

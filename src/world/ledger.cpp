@@ -70,8 +70,9 @@ void Ledger::arrive(uint64_t seq, const std::string& what) {
 
 void Ledger::check_peers(uint64_t seq, const std::string& what) {
   std::string closed_early;
+  std::string failed;
   std::string gone;
-  std::map<int, uint64_t> closed;
+  std::map<int, Closed> closed;
   try {
     closed = board_->closed();
   } catch (const std::exception&) {
@@ -82,20 +83,29 @@ void Ledger::check_peers(uint64_t seq, const std::string& what) {
       continue;
     }
     auto found = closed.find(rank);
-    if (found != closed.end() && found->second < seq) {
-      closed_early += str(closed_early.empty() ? "" : "; ", "rank ", rank,
-                          " closed its world having completed ", found->second, " collective(s)");
+    if (found != closed.end() && found->second.completed < seq) {
+      auto& list = found->second.failed ? failed : closed_early;
+      list += str(list.empty() ? "" : "; ", "rank ", rank,
+                  found->second.failed ? " stopped with an error" : " closed its world",
+                  " having completed ", found->second.completed, " collective(s)");
     } else if (found == closed.end() && process_gone(peers_[rank])) {
       gone += str(gone.empty() ? "" : "; ", "rank ", rank, " (pid ", peers_[rank].pid, " on ",
                   peers_[rank].host, ")");
     }
   }
-  if (closed_early.empty() && gone.empty()) {
+  if (closed_early.empty() && failed.empty() && gone.empty()) {
     return;
   }
   // Whoever waits on this rank from now on learns at once that it will not
   // come, and the store's host need not wait for it.
-  close(seq - 1);
+  close(seq - 1, /*failed=*/true);
+  // A rank that left the loop early is the cause; ranks that failed since
+  // (this one among them, for the others) are what followed.
+  if (closed_early.empty() && !failed.empty()) {
+    LOCKSTEP_FAIL(
+        CollectiveError, "rank ", rank_, ": ", what, " #", seq, " cannot complete: ", failed,
+        ", so it will never complete this one; its own output says why.");
+  }
   if (!closed_early.empty()) {
     LOCKSTEP_FAIL(
         CollectiveError, "rank ", rank_, ": ", what, " #", seq, " cannot complete: ",
@@ -151,16 +161,16 @@ std::string Ledger::attendance(uint64_t seq, bool failed) const {
   return failed ? text + ", most likely because it exited; its own output says why" : text;
 }
 
-void Ledger::close(uint64_t count) {
+void Ledger::close(uint64_t count, bool failed) {
   try {
-    board_->close(count);
+    board_->close(count, failed);
   } catch (const std::exception&) {
     // The store's host has gone already: nobody is left to tell.
   }
 }
 
 bool Ledger::others_finished() const {
-  std::map<int, uint64_t> closed;
+  std::map<int, Closed> closed;
   try {
     closed = board_->closed();
   } catch (const std::exception&) {

@@ -58,8 +58,8 @@ class Ledger {
   std::string attendance(uint64_t seq, bool failed = false) const;
 
   /// Records that this rank closed its world having completed the first
-  /// `count` collectives.
-  void close(uint64_t count);
+  /// `count` collectives; `failed` when an error closes it.
+  void close(uint64_t count, bool failed);
 
   /// Whether every other rank has closed or is gone: the store's host may
   /// then leave.

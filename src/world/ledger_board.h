@@ -19,6 +19,11 @@ class Store;
 
 namespace lockstep::detail {
 
+struct Closed {
+  uint64_t completed = 0;
+  bool failed = false;
+};
+
 class LedgerBoard {
  public:
   virtual ~LedgerBoard() = default;
@@ -29,11 +34,12 @@ class LedgerBoard {
   virtual bool reached(int rank, uint64_t seq) = 0;
   /// What `rank` posted for `seq`, once it has.
   virtual std::optional<std::string> posted(int rank, uint64_t seq) = 0;
-  /// Records that this rank will reach no collective after the first
-  /// `count`: it closed its world, or gave up on it.
-  virtual void close(uint64_t count) = 0;
-  /// The ranks that closed, each with its count.
-  virtual std::map<int, uint64_t> closed() = 0;
+  /// Records that this rank will complete no collective after the first
+  /// `count`: it closed its world, or gave up on it (`failed`: because of
+  /// an error).
+  virtual void close(uint64_t count, bool failed) = 0;
+  /// The ranks that closed, each with its count and whether it failed.
+  virtual std::map<int, Closed> closed() = 0;
 };
 
 /// Records as keys of `store` (already scoped to the job's ledger).

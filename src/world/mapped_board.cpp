@@ -31,7 +31,9 @@ struct alignas(64) Entry {
 
 struct alignas(64) Slot {
   std::atomic<uint64_t> arrived;
-  std::atomic<uint64_t> closed_after; // collectives + 1; 0 while open
+  // Collectives completed + 1, times 2, plus 1 when closed by an error;
+  // 0 while open.
+  std::atomic<uint64_t> closed;
   Entry ring[kRing];
 };
 
@@ -77,17 +79,17 @@ class MappedBoard : public LedgerBoard {
     return text;
   }
 
-  void close(uint64_t count) override {
+  void close(uint64_t count, bool failed) override {
     uint64_t open = 0;
-    slots_[rank_].closed_after.compare_exchange_strong(open, count + 1);
+    slots_[rank_].closed.compare_exchange_strong(open, (count + 1) * 2 + (failed ? 1 : 0));
   }
 
-  std::map<int, uint64_t> closed() override {
-    std::map<int, uint64_t> ranks;
+  std::map<int, Closed> closed() override {
+    std::map<int, Closed> ranks;
     for (int rank = 0; rank < size_; ++rank) {
-      uint64_t value = slots_[rank].closed_after.load(std::memory_order_acquire);
+      uint64_t value = slots_[rank].closed.load(std::memory_order_acquire);
       if (value > 0) {
-        ranks[rank] = value - 1;
+        ranks[rank] = {value / 2 - 1, value % 2 == 1};
       }
     }
     return ranks;

@@ -43,26 +43,27 @@ class StoreBoard : public LedgerBoard {
     return std::string(bytes.begin(), bytes.end());
   }
 
-  void close(uint64_t count) override {
+  void close(uint64_t count, bool failed) override {
     if (closed_here_) {
       return;
     }
     closed_here_ = true;
-    auto text = std::to_string(count);
+    auto text = std::to_string(count) + (failed ? " failed" : "");
     store_->set(closed_key(rank_), {text.begin(), text.end()});
     store_->add(kClosedCount, 1);
   }
 
-  std::map<int, uint64_t> closed() override {
+  std::map<int, Closed> closed() override {
     // One round trip while no rank has closed, which is almost always.
-    std::map<int, uint64_t> ranks;
+    std::map<int, Closed> ranks;
     if (store_->add(kClosedCount, 0) == 0) {
       return ranks;
     }
     for (int rank = 0; rank < size_; ++rank) {
       if (store_->check({closed_key(rank)})) {
         auto bytes = store_->get(closed_key(rank));
-        ranks[rank] = std::stoull(std::string(bytes.begin(), bytes.end()));
+        std::string text(bytes.begin(), bytes.end());
+        ranks[rank] = {std::stoull(text), text.find("failed") != std::string::npos};
       }
     }
     return ranks;

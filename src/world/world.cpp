@@ -6,6 +6,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <atomic>
+#include <exception>
 #include <iostream>
 #include <mutex>
 #include <sstream>
@@ -57,7 +58,9 @@ struct World::Impl : std::enable_shared_from_this<World::Impl> {
   // gone too: they would otherwise lose the store, and with it the reason.
   void close() {
     if (ledger) {
-      ledger->close(completed_count);
+      // Closed while an exception unwinds the stack: the others should say
+      // "an error", not "fewer batches".
+      ledger->close(completed_count, /*failed=*/std::uncaught_exceptions() > 0);
       if (job_store->hosted_here()) {
         auto limit = std::chrono::steady_clock::now() +
             std::min<std::chrono::milliseconds>(config.timeout, std::chrono::seconds(10));
@@ -388,7 +391,8 @@ World init(const WorldOptions& options) {
   auto gloo_store = c10::make_intrusive<c10d::PrefixStore>("gloo/", impl->store);
   impl->cpu_group = detail::make_gloo_group(gloo_store, impl->group_options());
   impl->cpu_transport =
-      detail::choose_transport(impl->config, impl->store, peers, impl->cpu_group);
+      detail::choose_transport(impl->config, impl->store, peers, impl->cpu_group,
+                               impl->group_options());
   impl->transport_description = impl->cpu_transport->describe();
   if (impl->config.debug != DebugLevel::Off) {
     std::cerr << "lockstep INFO rank " << impl->config.rank << ": collectives of CPU tensors go "

@@ -195,6 +195,17 @@ LaunchResult launch_ranks(
   return result;
 }
 
+namespace {
+
+void run_ranks_with(const LaunchOptions& options, const std::function<void(int rank)>& body) {
+  auto result = launch_ranks(options, body);
+  if (!result.ok()) {
+    ADD_FAILURE() << "not every rank succeeded: " << result.report();
+  }
+}
+
+} // namespace
+
 void run_ranks(
     int world_size,
     const std::function<void(int rank)>& body,
@@ -202,10 +213,37 @@ void run_ranks(
   LaunchOptions options;
   options.world_size = world_size;
   options.timeout = timeout;
-  auto result = launch_ranks(options, body);
-  if (!result.ok()) {
-    ADD_FAILURE() << "not every rank succeeded: " << result.report();
+  run_ranks_with(options, body);
+}
+
+std::string WorldSetup::name() const {
+  return "world" + std::to_string(size) + (size == 1 ? "" : "_" + transport);
+}
+
+void PrintTo(const WorldSetup& setup, std::ostream* out) {
+  *out << setup.name();
+}
+
+std::vector<WorldSetup> every_world_setup() {
+  std::vector<WorldSetup> setups{{1, "auto"}};
+  for (int size : {2, 3, 4}) {
+    setups.push_back({size, "shm"});
+    setups.push_back({size, "gloo"});
   }
+  return setups;
+}
+
+void run_ranks(
+    const WorldSetup& setup,
+    const std::function<void(int rank)>& body,
+    std::chrono::milliseconds timeout) {
+  LaunchOptions options;
+  options.world_size = setup.size;
+  options.timeout = timeout;
+  options.environment = [transport = setup.transport](int, RankEnvironment& env) {
+    env["LOCKSTEP_TRANSPORT"] = transport;
+  };
+  run_ranks_with(options, body);
 }
 
 } // namespace lockstep::testing

@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <functional>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -62,6 +63,25 @@ LaunchResult launch_ranks(
 /// succeeded.
 void run_ranks(
     int world_size,
+    const std::function<void(int rank)>& body,
+    std::chrono::milliseconds timeout = std::chrono::milliseconds(60000));
+
+/// A world size and the transport its collectives go through
+/// (LOCKSTEP_TRANSPORT), for tests parameterised over both.
+struct WorldSetup {
+  int size = 2;
+  std::string transport = "auto";
+  /// "world1", "world2_shm", "world2_gloo", ...
+  std::string name() const;
+};
+void PrintTo(const WorldSetup& setup, std::ostream* out);
+
+/// World sizes 1 to 4; from 2 on, once over shared memory and once over Gloo.
+std::vector<WorldSetup> every_world_setup();
+
+/// run_ranks with `setup`'s size and transport.
+void run_ranks(
+    const WorldSetup& setup,
     const std::function<void(int rank)>& body,
     std::chrono::milliseconds timeout = std::chrono::milliseconds(60000));
 

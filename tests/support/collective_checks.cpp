@@ -1,0 +1,131 @@
+#include "support/collective_checks.h"
+
+#include <ATen/ATen.h>
+
+#include <lockstep/error.h>
+
+namespace lockstep::testing {
+namespace {
+
+using detail::str;
+
+// What rank `rank` contributes: small integers, whose sums over 4 ranks are
+// exact in float16 and bfloat16 too, or values that round.
+at::Tensor contribution(int64_t numel, at::ScalarType type, int rank, bool exact) {
+  auto positions = at::arange(numel, at::kDouble);
+  auto values = exact ? at::remainder(positions * 7 + rank * 3, 13) - 6
+                      : at::sin(positions * 0.37 + rank) * (rank + 1.5);
+  return values.to(type);
+}
+
+// A checksum of `tensor`'s bytes, to compare ranks without trusting the
+// transport under test.
+std::string fingerprint(const at::Tensor& tensor) {
+  auto bytes = tensor.contiguous().view(at::kByte);
+  const auto* data = bytes.data_ptr<uint8_t>();
+  uint64_t hash = 1469598103934665603ull;
+  for (int64_t i = 0; i < bytes.numel(); ++i) {
+    hash = (hash ^ data[i]) * 1099511628211ull;
+  }
+  return std::to_string(hash);
+}
+
+// The distance from 1 to the next representable value.
+double unit_of(at::ScalarType type) {
+  switch (type) {
+    case at::kBFloat16:
+      return 1.0 / 128;
+    case at::kHalf:
+      return 1.0 / 1024;
+    case at::kFloat:
+      return 1.2e-7;
+    default:
+      return 2.3e-16;
+  }
+}
+
+} // namespace
+
+std::vector<std::string> check_collectives(World& world, bool large) {
+  std::vector<std::string> failures;
+  auto expect = [&](bool holds, const std::string& what) {
+    if (!holds) {
+      failures.push_back(str("rank ", world.rank(), ": ", what));
+    }
+  };
+  int n = world.size();
+  int rank = world.rank();
+  const std::vector<at::ScalarType> types{at::kFloat, at::kDouble, at::kBFloat16, at::kHalf};
+  std::vector<std::pair<at::ScalarType, int64_t>> cases;
+  for (auto type : types) {
+    for (int64_t numel : {int64_t{1}, int64_t{7}, int64_t{1001}, int64_t{65536 + 3},
+                          (int64_t{1} << 20) + 5}) {
+      cases.emplace_back(type, numel);
+    }
+  }
+  if (large) {
+    cases.emplace_back(at::kFloat, int64_t{16} << 20);
+  }
+  for (auto [type, numel] : cases) {
+    std::vector<at::Tensor> exact_values;
+    std::vector<at::Tensor> rounding_values;
+    auto exact_sum = at::zeros({numel}, at::kDouble);
+    auto rounded_exact = at::zeros({numel}, at::kDouble);
+    for (int r = 0; r < n; ++r) {
+      exact_values.push_back(contribution(numel, type, r, true));
+      rounding_values.push_back(contribution(numel, type, r, false));
+      exact_sum += exact_values[r].to(at::kDouble);
+      rounded_exact += rounding_values[r].to(at::kDouble);
+    }
+    auto smallest = exact_values[0].to(at::kDouble);
+    for (int r = 1; r < n; ++r) {
+      smallest = at::minimum(smallest, exact_values[r].to(at::kDouble));
+    }
+    auto allocated = world.allocate(numel, type);
+    for (bool in_place : {false, true}) {
+      std::string what = str(type, " x ", numel, in_place ? " (allocated)" : " (own tensor)");
+      auto place = [&](const at::Tensor& values) {
+        return in_place ? allocated.copy_(values) : values.clone();
+      };
+      auto sum = place(exact_values[rank]);
+      world.all_reduce(sum);
+      expect(sum.equal(exact_sum.to(type)), "sum of " + what);
+      auto average = place(exact_values[rank]);
+      world.all_reduce(average, ReduceOp::Average);
+      expect(average.equal(exact_sum.to(type).div(n)), "average of " + what);
+      auto minimum = place(exact_values[rank]);
+      world.all_reduce(minimum, ReduceOp::Min);
+      expect(minimum.equal(smallest.to(type)), "minimum of " + what);
+      auto rounded = place(rounding_values[rank]);
+      world.all_reduce(rounded);
+      double error = (rounded.to(at::kDouble) - rounded_exact).abs().max().item<double>();
+      expect(error <= n * unit_of(type) * (rounded_exact.abs().max().item<double>() + 1),
+             str("rounded sum of ", what, " is off by ", error));
+      auto prints = world.all_gather_strings(fingerprint(rounded));
+      for (int r = 1; r < n; ++r) {
+        expect(prints[r] == prints[0], str("rounded sum of ", what, ": rank ", r,
+                                           " holds other bits than rank 0"));
+      }
+    }
+  }
+  // Broadcast and all_gather move bits, whatever they are.
+  for (auto type : types) {
+    for (int64_t numel : {int64_t{1}, int64_t{1001}, (int64_t{1} << 20) + 5}) {
+      std::string what = str(type, " x ", numel);
+      int root = n - 1;
+      auto data = contribution(numel, type, rank, false);
+      auto broadcast = data.clone();
+      world.broadcast(broadcast, root);
+      expect(broadcast.equal(contribution(numel, type, root, false)), "broadcast of " + what);
+      auto gathered = world.all_gather(data);
+      for (int r = 0; r < n; ++r) {
+        expect(gathered[r].equal(contribution(numel, type, r, false)),
+               str("all_gather of ", what, ": rank ", r, "'s part"));
+      }
+    }
+  }
+  world.barrier();
+  return failures;
+}
+
+} // namespace lockstep::testing
