@@ -21,6 +21,7 @@ def main():
             dist.all_reduce(tensor)
         micros = []
         for _ in range(iterations):
+            tensor.fill_(1.0)
             dist.barrier()
             start = time.perf_counter()
             dist.all_reduce(tensor)
@@ -28,7 +29,7 @@ def main():
         median = statistics.median(micros)
         busbw = nbytes * 2 * (size - 1) / size / (median * 1e-6) / 1e9
         if rank == 0:
-            print(f"torch.distributed,{nbytes},{iterations},{median:.1f},{busbw:.3f}", flush=True)
+            print(f"torch-gloo,{nbytes},{iterations},{median:.1f},{busbw:.3f}", flush=True)
         nbytes *= 4
     dist.destroy_process_group()
 

@@ -124,6 +124,10 @@ int run(const mnist::Flags& flags) {
   }
   lockstep::World world = lockstep::init();
   bool lead = world.rank() == 0;
+  if (lead) {
+    std::printf("%d rank(s); collectives through %s\n", world.size(), world.transport().c_str());
+    std::fflush(stdout);
+  }
   torch::manual_seed(flags.seed);
   Net model;
   lockstep::DDP<Net> ddp(model, world);

@@ -1,0 +1,34 @@
+#pragma once
+
+// What the shared-memory operations share: views of shared memory as
+// tensors, the reduction itself (ATen's kernels, in rank order, so that
+// every rank that reduces the same inputs gets the same bits), and which
+// slice of a tensor each rank owns.
+
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "transport/shm_ops.h"
+
+namespace lockstep::detail {
+
+/// `elements` of `type` at `data`, as a tensor that does not own them.
+at::Tensor view(char* data, int64_t elements, at::ScalarType type);
+
+/// Reduces `inputs` element by element, in rank order, into `out`, which
+/// may be inputs[0]'s memory. Float16 and bfloat16 accumulate in float32
+/// and round once.
+void reduce_into(ShmContext& context,
+                 const at::Tensor& out,
+                 const std::vector<at::Tensor>& inputs,
+                 ReduceOp op);
+
+/// [first, last) of `elements` that rank `index` of `ranks` reduces.
+std::pair<int64_t, int64_t> slice_of(int64_t elements, int ranks, int index);
+
+/// "rank(s) 1, 3": the ranks of `context` for which `is_behind` holds.
+std::string behind(const ShmContext& context, const std::function<bool(int)>& is_behind);
+
+} // namespace lockstep::detail
