@@ -221,13 +221,18 @@ TEST(JobIsolation, AProcessWithASecretRefusesAJobWithout) {
       "LOCKSTEP_JOB_SECRET, or none.");
 }
 
-std::string read_job_record(int port) {
+// A client of the job's TCP store, as any process on the network could be.
+c10::intrusive_ptr<c10d::TCPStore> store_client(int port) {
   c10d::TCPStoreOptions options;
   options.port = static_cast<uint16_t>(port);
   options.isServer = false;
   options.waitWorkers = false;
-  c10d::TCPStore client("127.0.0.1", options);
-  auto bytes = client.get("lockstep/job");
+  options.timeout = std::chrono::seconds(10);
+  return c10::make_intrusive<c10d::TCPStore>("127.0.0.1", options);
+}
+
+std::string read_job_record(int port) {
+  auto bytes = store_client(port)->get("lockstep/job");
   return {bytes.begin(), bytes.end()};
 }
 
@@ -263,18 +268,13 @@ TEST(JobIsolation, ARankRecordWithoutProofFailsTheRendezvous) {
   };
   auto result = launch_ranks(options, [](int) {
     std::thread forger([] {
-      c10d::TCPStoreOptions store_options;
-      store_options.port = static_cast<uint16_t>(std::atoi(std::getenv("MASTER_PORT")));
-      store_options.isServer = false;
-      store_options.waitWorkers = false;
-      store_options.timeout = std::chrono::seconds(10);
       try {
-        c10d::TCPStore client("127.0.0.1", store_options);
-        while (!client.check({"lockstep/job"})) { // (compareSet wakes no waiter)
+        auto client = store_client(std::atoi(std::getenv("MASTER_PORT")));
+        while (!client->check({"lockstep/job"})) { // (compareSet wakes no waiter)
           std::this_thread::sleep_for(std::chrono::milliseconds(5));
         }
         std::string record = "1 1 forged stranger";
-        client.set("lockstep/default/0/rank/1", {record.begin(), record.end()});
+        client->set("lockstep/default/0/rank/1", {record.begin(), record.end()});
       } catch (const std::exception& e) {
         ADD_FAILURE() << "the forger failed: " << e.what();
       }

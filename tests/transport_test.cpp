@@ -105,10 +105,13 @@ TEST(SharedMemory, ARankKilledInTheMiddleIsNamedAndNothingStaysInDevShm) {
     auto tensor = world.allocate(1 << 20, at::kFloat);
     tensor.fill_(1);
     world.all_reduce(tensor);
-    auto pending = world.all_reduce_async(tensor, ReduceOp::Sum, "the doomed all_reduce");
     if (rank == 1) {
-      ::raise(SIGKILL); // its part is posted; it never reduces its slice
+      // Dies while rank 0 is in the next all-reduce. (Had it begun that
+      // one, it might already have reduced its slice: rank 0 would finish.)
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      ::raise(SIGKILL);
     }
+    auto pending = world.all_reduce_async(tensor, ReduceOp::Sum, "the doomed all_reduce");
     auto start = Clock::now();
     expect_error<CollectiveError>(
         [&] { pending.wait(); },

@@ -11,11 +11,6 @@
 namespace lockstep::detail {
 namespace {
 
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 class ProcessGroupWork : public TransportWork {
  public:
@@ -24,7 +19,7 @@ class ProcessGroupWork : public TransportWork {
   ProcessGroupWork(c10::intrusive_ptr<c10d::Work> work, at::Tensor result, at::Tensor travelling)
       : work_(std::move(work)), result_(std::move(result)), travelling_(std::move(travelling)) {
     if (timeline::enabled()) {
-      when_done(*work_, [completed = completed_] { completed->store(now_ns()); });
+      when_done(*work_, [completed = completed_] { completed->store(steady_now_ns()); });
     }
   }
 

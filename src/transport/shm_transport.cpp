@@ -8,11 +8,6 @@
 namespace lockstep::detail {
 namespace {
 
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 class ShmWork : public TransportWork {
  public:
@@ -145,7 +140,7 @@ std::unique_ptr<TransportWork> ShmTransport::begin(std::shared_ptr<ShmOp> op,
 void ShmTransport::progress() {
   while (!queue_.empty() && !queue_.front()->failure && queue_.front()->advance(context_)) {
     queue_.front()->done = true;
-    queue_.front()->completed_ns = now_ns();
+    queue_.front()->completed_ns = steady_now_ns();
     queue_.pop_front();
   }
   if (context_.posted) {

@@ -18,6 +18,13 @@
 
 namespace lockstep::detail {
 
+/// The steady clock in nanoseconds: when a collective completed.
+inline int64_t steady_now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 /// One collective in flight.
 class TransportWork {
  public:

@@ -178,11 +178,6 @@ void run_collective(World::Impl& impl, const std::string& operation, Start start
   }
 }
 
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             detail::timeline::Clock::now().time_since_epoch())
-      .count();
-}
 
 } // namespace
 
@@ -213,7 +208,7 @@ void PendingCollective::wait() {
   complete(*state.world, state.seq, state.what, *state.work);
   state.completed_ns = state.work->completed_ns();
   if (state.completed_ns == 0) {
-    state.completed_ns = now_ns();
+    state.completed_ns = detail::steady_now_ns();
   }
   if (state.op == ReduceOp::Average) {
     int size = state.world->config.size;
