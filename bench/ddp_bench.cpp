@@ -3,7 +3,8 @@
 // line: model, mode, median ms, peak RSS MiB (the largest over ranks).
 //
 //   ddp_bench MODEL MODE [ITERATIONS] [WARMUP]
-//   MODEL: mlp | cnn | cnn_bn | mlp_const
+//   MODEL: mlp | cnn | cnn_bn | mlp_const | emb_sparse | emb_dense (a 1M x 64
+//          embedding table with sparse or dense gradients)
 //   MODE:  lockstep (DistributedDataParallel) | manual (all-reduce each
 //          gradient after backward, as C++ users do by hand) | single (one
 //          process, no communication) | detail_ab (lockstep, switching
@@ -65,7 +66,8 @@ void run(World& world, ModelType model, const std::string& model_name,
     ddp.emplace(model, world, options);
   }
   torch::optim::SGD optimizer(model->parameters(), 1e-4);
-  auto [x, y] = lockstep::bench::deterministic_batch(input_shape);
+  auto [x, y] = input_shape.empty() ? lockstep::bench::deterministic_ids()
+                                    : lockstep::bench::deterministic_batch(input_shape);
   std::vector<double> times;
   std::vector<double> detail_times;
   for (int i = 0; i < warmup + iterations; ++i) {
@@ -128,6 +130,8 @@ int main(int argc, char** argv) {
     run(world, Mlp(model == "mlp_const"), model, mode, {1024}, iterations, warmup);
   } else if (model == "cnn" || model == "cnn_bn") {
     run(world, Cnn(model == "cnn_bn"), model, mode, {1, 28, 28}, iterations, warmup);
+  } else if (model == "emb_sparse" || model == "emb_dense") {
+    run(world, Recommender(model == "emb_sparse"), model, mode, {}, iterations, warmup);
   } else {
     std::cerr << "unknown model " << model << "\n";
     return 2;

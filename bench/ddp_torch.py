@@ -56,6 +56,23 @@ class Cnn(nn.Module):
         return self.fc2(F.relu(self.fc1(x)))
 
 
+class Recommender(nn.Module):
+    ROWS = 1000000
+
+    def __init__(self, sparse):
+        super().__init__()
+        self.table = nn.EmbeddingBag(self.ROWS, 64, mode="sum", sparse=sparse)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, ids):
+        return self.head(self.table(ids))
+
+
+def deterministic_ids():
+    ids = torch.arange(64 * 20).mul(7919).remainder(Recommender.ROWS)
+    return ids.view(64, 20), torch.arange(64).remainder(10)
+
+
 def deterministic_init(module):
     """The formula of bench_models.h: both sides compute on the same numbers."""
     with torch.no_grad():
@@ -78,12 +95,14 @@ def main():
     dist.init_process_group("gloo")
     if name.startswith("mlp"):
         model, shape = Mlp(name == "mlp_const"), (1024,)
+    elif name.startswith("emb"):
+        model, shape = Recommender(name == "emb_sparse"), None
     else:
         model, shape = Cnn(name == "cnn_bn"), (1, 28, 28)
     deterministic_init(model)
     ddp = nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-    x, y = deterministic_batch(shape)
+    x, y = deterministic_ids() if shape is None else deterministic_batch(shape)
     times = []
     for i in range(warmup + iterations):
         if i == warmup:

@@ -11,6 +11,7 @@
 #include "support/models.h"
 #include "support/multiprocess.h"
 #include "support/training.h"
+#include "support/warnings.h"
 
 namespace lockstep::testing {
 namespace {
@@ -86,13 +87,6 @@ struct ThroughTheModule {
   torch::Tensor operator()(ModelType& model, torch::Tensor x, int64_t, int) const {
     return model(x);
   }
-};
-
-struct CountingWarnings : c10::WarningHandler {
-  void process(const c10::SourceLocation&, const std::string& message, bool) override {
-    messages.push_back(message);
-  }
-  std::vector<std::string> messages;
 };
 
 TEST_P(Behaviour, BypassedWrapperStillAveragesAndWarnsOnce) {

@@ -204,18 +204,6 @@ TEST(DdpDetail, ARankThatSkipsABackwardIsAnErrorNotAHang) {
   EXPECT_TRUE(result.ok()) << result.report();
 }
 
-TEST(DdpErrorsAtConstruction, SparseGradientsAreRejected) {
-  run_ranks(2, [](int) {
-    World world = init();
-    auto model = Sequential(
-        {{"embedding", torch::nn::Embedding(torch::nn::EmbeddingOptions(10, 4).sparse(true))},
-         {"head", Linear(4, 2)}});
-    expect_error<UsageError>(
-        [&] { DDP<Sequential> ddp(model, world); },
-        {"module 'embedding'", "produces sparse gradients", ".sparse(false)"});
-  });
-}
-
 INSTANTIATE_TEST_SUITE_P(WorldSize, DdpErrors, ::testing::Values(2, 3),
                          [](const auto& info) {
                            return "world" + std::to_string(info.param);

@@ -19,6 +19,9 @@ struct IterationStats {
   int64_t bytes_reduced = 0;
   /// Buffer broadcasts before forward (each covers all buffers).
   int64_t buffer_broadcasts = 0;
+  /// Agreements before forward on whether any rank's buffers changed (a
+  /// 4-byte all-reduce, with BufferSync::WhenChanged and buffers to sync).
+  int64_t buffer_agreements = 0;
 };
 
 struct DdpStats {

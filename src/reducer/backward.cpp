@@ -2,6 +2,7 @@
 // bucket leaves when full, and the end of backward completes the iteration.
 
 #include <sstream>
+#include <utility>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -13,21 +14,23 @@
 
 namespace lockstep::detail {
 
+void Reducer::State::on_forward_reached(int64_t forward, bool sync) {
+  std::lock_guard<std::mutex> lock(mutex);
+  if (!iteration_open) {
+    open_iteration(forward, sync);
+  }
+}
+
 void Reducer::State::on_gradient(size_t index) {
   std::lock_guard<std::mutex> lock(mutex);
   if (!iteration_open) {
-    open_iteration();
+    int64_t forward = std::exchange(unhooked_forward, 0);
+    open_iteration(forward, forward > 0 ? unhooked_sync : sync_enabled);
   }
   used_now[index] = 1;
   if (!iteration_sync) {
     used_since_sync[index] = 1;
     return;
-  }
-  const auto& grad = params[index].grad();
-  if (grad.defined() && grad.is_sparse()) {
-    problems.push_back(str("parameter '", names[index], "' got a sparse "
-                           "gradient, which DistributedDataParallel does not "
-                           "average."));
   }
   if (static_used && !(*static_used)[index]) {
     problems.push_back(str(
@@ -50,11 +53,13 @@ void Reducer::State::on_gradient(size_t index) {
     ++pending[bucket_of[index]];
   }
   ready_order.push_back(index);
-  mark_ready(index, /*used=*/true);
+  if (!sparse[index]) {
+    mark_ready(index, /*used=*/true);
+  }
 }
 
-void Reducer::State::open_iteration() {
-  bool bypassed = !forward_seen;
+void Reducer::State::open_iteration(int64_t forward, bool sync) {
+  bool bypassed = forward == 0;
   if (bypassed && options.bypass() == Bypass::Error) {
     LOCKSTEP_FAIL(
         UsageError, "rank ", world.rank(), ": backward reached the "
@@ -75,11 +80,10 @@ void Reducer::State::open_iteration() {
         "gradients local or Bypass::Error to make this an error. Shown once.");
   }
   iteration_open = true;
-  if (bypassed) {
-    iteration_sync = options.bypass() != Bypass::Ignore && sync_enabled;
-  } else {
-    iteration_sync = sync_at_forward;
-  }
+  iteration_sync = bypassed ? options.bypass() != Bypass::Ignore && sync : sync;
+  // Queued on the graph task that runs now: the backward of the loss, which
+  // reached the forward's outputs before any parameter; a nested backward
+  // (a reentrant checkpoint) inside it ends before it, and is part of it.
   std::weak_ptr<State> weak = shared_from_this();
   torch::autograd::Engine::get_default_engine().queue_callback([weak] {
     if (auto state = weak.lock()) {
@@ -92,8 +96,12 @@ void Reducer::State::open_iteration() {
     return;
   }
   ++iteration;
-  backward_of_forward = bypassed ? 0 : forwards;
-  if (bypassed) {
+  backward_of_forward = forward;
+  // The first backward of the forward just timed counts from its end; any
+  // other from its first gradient, with figures of its own.
+  backward_from_forward_end = forward > 0 && forward == forwards && forward != timed_forward;
+  timed_forward = forward;
+  if (!backward_from_forward_end) {
     stats.last = IterationStats{};
   }
   ready.assign(params.size(), 0);
@@ -110,8 +118,8 @@ void Reducer::State::open_iteration() {
   bucket_first.assign(buckets.size(), Clock::time_point{});
   bucket_ready.assign(buckets.size(), Clock::time_point{});
   bucket_launch.assign(buckets.size(), Clock::time_point{});
-  if (unused_at_forward && !bypassed) {
-    for (size_t index : *unused_at_forward) {
+  if (unused_at_forward && unused_forward == forward && !bypassed) {
+    for (size_t index : dense_only(*unused_at_forward)) {
       mark_ready(index, /*used=*/false);
     }
   }
@@ -126,6 +134,10 @@ void Reducer::State::mark_ready(size_t index, bool used) {
   at::NoGradGuard no_grad;
   if (!grad.defined()) {
     bucket.slot(k).zero_();
+  } else if (grad.is_sparse()) {
+    // A sparse gradient of a parameter in a bucket (a functional sparse
+    // embedding, unknown at construction): averaged dense, the same values.
+    bucket.slot(k).copy_(grad.to_dense());
   } else if (!bucket.holds(k, grad)) {
     bucket.slot(k).copy_(grad);
   } else if (!contributes) {
@@ -156,8 +168,8 @@ void Reducer::State::launch_ready_buckets(bool include_last) {
     auto& bucket = buckets[next_launch];
     if (next_launch + 1 == buckets.size()) {
       auto extras = bucket.extras();
-      extras[kBuffersChanged].fill_(buffers_changed_locally() ? 1 : 0);
       extras[kProblems].fill_(problems.empty() ? 0 : 1);
+      extras[kTrainableChanged].fill_(trainable_changed_locally() ? 1 : 0);
     }
     bucket_launch[next_launch] = Clock::now();
     launch_ms[next_launch] = ms_between(first_gradient, bucket_launch[next_launch]);
@@ -179,8 +191,6 @@ void Reducer::State::finalize() {
     State& state;
     ~CloseIteration() {
       state.iteration_open = false;
-      state.forward_seen = false;
-      state.unused_at_forward.reset();
     }
   } close{*this};
   if (!iteration_sync) {
@@ -193,7 +203,7 @@ void Reducer::State::finalize() {
   auto backward_end = Clock::now();
 
   for (size_t index = 0; index < params.size(); ++index) {
-    if (ready[index]) {
+    if (ready[index] || sparse[index]) {
       continue;
     }
     if (static_used && (*static_used)[index]) {
@@ -205,6 +215,7 @@ void Reducer::State::finalize() {
   }
   launch_ready_buckets(/*include_last=*/true);
   TORCH_INTERNAL_ASSERT(next_launch == buckets.size(), "a bucket was not launched");
+  reduce_sparse_gradients();
 
   auto wait_start = Clock::now();
   for (auto& work : in_flight) {
@@ -214,7 +225,7 @@ void Reducer::State::finalize() {
 
   std::vector<double> global_flags;
   int64_t ranks_with_problems = 0;
-  bool buffers_changed = false;
+  bool trainable_changed = false;
   for (const auto& bucket : buckets) {
     auto flags = bucket.flags().to(at::kDouble);
     auto* data = flags.data_ptr<double>();
@@ -222,13 +233,12 @@ void Reducer::State::finalize() {
   }
   if (!buckets.empty()) {
     auto extras = buckets.back().extras().to(at::kDouble);
-    buffers_changed = extras[kBuffersChanged].item<double>() > 0;
     ranks_with_problems = static_cast<int64_t>(extras[kProblems].item<double>());
+    trainable_changed = extras[kTrainableChanged].item<double>() > 0;
   }
   if (ranks_with_problems > 0) {
     raise_problems_everywhere(ranks_with_problems);
   }
-  buffers_need_broadcast = buffers_need_broadcast || buffers_changed;
   write_back(global_flags);
   used_since_sync.assign(params.size(), 0);
 
@@ -254,9 +264,12 @@ void Reducer::State::finalize() {
   if (options.static_graph() && !static_used) {
     static_used = used_now;
   }
+  if (trainable_changed) {
+    take_in_unfrozen();
+  }
 
   stats.iterations += 1;
-  auto backward_start = forward_seen ? forward_end : first_gradient;
+  auto backward_start = backward_from_forward_end ? forward_end : first_gradient;
   stats.last.backward_ms = ms_between(backward_start, Clock::now());
   stats.last.comm_wait_ms = ms_between(wait_start, wait_end);
   stats.total.backward_ms += stats.last.backward_ms;
@@ -333,6 +346,15 @@ void Reducer::State::write_back(const std::vector<double>& global_flags) {
           params[index].is_contiguous();
       if (bucket.holds(k, grad)) {
         continue;
+      } else if (grad.defined() && grad.requires_grad()) {
+        // backward(create_graph=true): the average, still differentiable
+        // through this rank's own gradient, with its derivative: each
+        // rank's contribution to a penalty on it is then averaged by the
+        // next backward, as one process differentiates its whole batch's.
+        at::AutoGradMode enable(true);
+        grad = grad + (slot - grad).detach();
+      } else if (grad.defined() && grad.is_sparse()) {
+        grad = slot.clone();
       } else if (as_view) {
         grad = slot;
       } else if (grad.defined()) {
@@ -369,7 +391,7 @@ void Reducer::State::rebuild_buckets() {
   world.broadcast(order, 0);
   std::vector<size_t> agreed(order.data_ptr<int64_t>(),
                              order.data_ptr<int64_t>() + order.numel());
-  layout_buckets(agreed);
+  layout_buckets(dense_only(agreed));
 }
 
 } // namespace lockstep::detail

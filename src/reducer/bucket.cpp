@@ -76,7 +76,7 @@ at::Tensor Bucket::slot(size_t k) const {
 }
 
 bool Bucket::holds(size_t k, const at::Tensor& grad) const {
-  return grad.defined() && grad.device() == buffer_.device() &&
+  return grad.defined() && !grad.is_sparse() && grad.device() == buffer_.device() &&
       grad.data_ptr() ==
       static_cast<char*>(buffer_.data_ptr()) + offsets_[k] * buffer_.element_size();
 }

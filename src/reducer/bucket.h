@@ -4,7 +4,7 @@
 // one dtype and device, followed by one "used" flag per parameter (and, in
 // the last bucket, the iteration's extras). The flags and extras ride in the
 // same all-reduce as the gradients: knowing which parameters were used
-// anywhere, or whether any rank's buffers changed, costs no extra collective.
+// anywhere, or whether any rank broke a rule, costs no extra collective.
 
 #include <cstddef>
 #include <cstdint>
@@ -28,8 +28,8 @@ std::vector<std::vector<size_t>> plan_buckets(
 
 /// Values carried after the flags of the last bucket.
 enum Extra : int64_t {
-  kBuffersChanged = 0, // ranks whose buffers changed since the last broadcast
-  kProblems = 1, // ranks that found a problem this iteration
+  kProblems = 0, // ranks that found a problem this iteration
+  kTrainableChanged = 1, // ranks where a parameter began to require grad
   kExtraCount = 2,
 };
 

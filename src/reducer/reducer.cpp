@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <iostream>
 #include <sstream>
+#include <unordered_set>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -27,25 +29,6 @@ std::string mib(int64_t bytes) {
   return out.str();
 }
 
-// Sparse gradients cannot go into dense buckets; they come from embeddings
-// built with sparse(true), which is known before any backward.
-void reject_sparse_gradients(torch::nn::Module& module) {
-  for (const auto& item : module.named_modules()) {
-    bool sparse = false;
-    if (auto* embedding = dynamic_cast<torch::nn::EmbeddingImpl*>(item.value().get())) {
-      sparse = embedding->options.sparse();
-    } else if (auto* bag = dynamic_cast<torch::nn::EmbeddingBagImpl*>(item.value().get())) {
-      sparse = bag->options.sparse();
-    }
-    LOCKSTEP_ENFORCE(
-        !sparse, UsageError, "module '",
-        item.key().empty() ? std::string("(root)") : item.key(), "' (",
-        item.value()->name(), ") produces sparse gradients, which "
-        "DistributedDataParallel does not average. Build it with "
-        ".sparse(false).");
-  }
-}
-
 } // namespace
 
 Reducer::Reducer(torch::nn::Module& module, World world, DdpOptions options)
@@ -56,7 +39,6 @@ Reducer::Reducer(torch::nn::Module& module, World world, DdpOptions options)
       ConfigError, "bucket caps must not be negative (bucket_cap_mb=",
       options.bucket_cap_mb(), ", first_bucket_cap_mb=",
       options.first_bucket_cap_mb(), ").");
-  reject_sparse_gradients(module);
   DebugLevel level = options.debug().value_or(state.world.debug());
   state.info = level != DebugLevel::Off;
   if (level == DebugLevel::Detail) {
@@ -72,12 +54,18 @@ Reducer::Reducer(torch::nn::Module& module, World world, DdpOptions options)
     if (entry.tensor.requires_grad()) {
       state.names.push_back(entry.name);
       state.params.push_back(entry.tensor);
+    } else {
+      state.frozen.push_back(entry);
     }
   }
   for (const auto& entry : all_buffers) {
     module_state.push_back(entry.tensor);
     state.buffers.push_back(entry.tensor);
   }
+  LOCKSTEP_ENFORCE(
+      !state.params.empty(), UsageError, "DistributedDataParallel is not needed for a module "
+      "without any parameter that requires a gradient: there is nothing to average. Set "
+      "requires_grad on the parameters to train, or leave the module unwrapped.");
 
   check_same_model(state.world, all_params, all_buffers);
   state.replica_state = all_params;
@@ -89,9 +77,10 @@ Reducer::Reducer(torch::nn::Module& module, World world, DdpOptions options)
   }
 
   state.used_since_sync.assign(state.params.size(), 0);
-  state.layout_buckets(state.reverse_registration_order());
+  state.find_sparse_parameters(module);
+  state.layout_buckets(state.dense_only(state.reverse_registration_order()));
   state.log_layout("at construction, in reverse registration order");
-  state.install_hooks();
+  state.install_hooks(0);
 }
 
 Reducer::~Reducer() = default;
@@ -104,9 +93,19 @@ std::vector<size_t> Reducer::State::reverse_registration_order() const {
   return order;
 }
 
-void Reducer::State::install_hooks() {
+std::vector<size_t> Reducer::State::dense_only(const std::vector<size_t>& order) const {
+  std::vector<size_t> dense;
+  for (size_t index : order) {
+    if (!sparse[index]) {
+      dense.push_back(index);
+    }
+  }
+  return dense;
+}
+
+void Reducer::State::install_hooks(size_t first) {
   std::weak_ptr<State> weak = shared_from_this();
-  for (size_t index = 0; index < params.size(); ++index) {
+  for (size_t index = first; index < params.size(); ++index) {
     auto accumulator = torch::autograd::impl::grad_accumulator(params[index]);
     accumulator->add_post_hook(
         std::make_unique<torch::autograd::utils::LambdaPostHook>(
@@ -141,9 +140,9 @@ void Reducer::State::layout_buckets(const std::vector<size_t>& order) {
   }
   // Gradients kept as views into the old buckets move to the new ones.
   at::NoGradGuard no_grad;
-  for (size_t index = 0; index < params.size() && !buckets.empty(); ++index) {
+  for (size_t index = 0; index < bucket_of.size() && !buckets.empty(); ++index) {
     auto& grad = params[index].mutable_grad();
-    if (buckets[bucket_of[index]].holds(slot_of[index], grad)) {
+    if (!sparse[index] && buckets[bucket_of[index]].holds(slot_of[index], grad)) {
       auto slot = fresh[fresh_bucket_of[index]].slot(fresh_slot_of[index]);
       slot.copy_(grad);
       grad = slot;
@@ -208,9 +207,7 @@ void Reducer::before_forward() {
   std::lock_guard<std::mutex> lock(state.mutex);
   state.stats.last = IterationStats{};
   state.forward_start = Clock::now();
-  state.forward_seen = true;
   state.sync_at_forward = state.sync_enabled;
-  state.unused_at_forward.reset();
   bool broadcast = false;
   switch (state.options.broadcast_buffers()) {
     case BufferSync::Always:
@@ -219,15 +216,12 @@ void Reducer::before_forward() {
     case BufferSync::Never:
       break;
     case BufferSync::WhenChanged:
-      // Learned from every rank at the last synchronised backward, so every
-      // rank decides alike. Without buckets there is nothing to learn from.
-      broadcast = state.buffers_need_broadcast || state.buckets.empty();
+      broadcast = !state.buffers.empty() && state.buffers_changed_anywhere();
       break;
   }
   if (broadcast && !state.buffers.empty()) {
     state.broadcast_buffers();
   }
-  state.buffers_need_broadcast = false;
   ++state.forwards;
   if (state.options.verify_every() > 0 &&
       state.forwards % state.options.verify_every() == 0) {
@@ -253,6 +247,19 @@ void Reducer::State::broadcast_buffers() {
   stats.total.buffer_broadcasts += 1;
 }
 
+bool Reducer::State::buffers_changed_anywhere() {
+  // A few bytes agreed by every rank, so that every rank decides alike; the
+  // buffers themselves travel only when one changed, wherever that was
+  // (a forward's running statistics, or an edit between forwards).
+  auto changed = at::full({1}, buffers_changed_locally() ? 1 : 0, at::kInt);
+  world.all_reduce_async(changed, ReduceOp::Sum,
+                         str("agreement on changed buffers before forward ", forwards + 1))
+      .wait();
+  stats.last.buffer_agreements += 1;
+  stats.total.buffer_agreements += 1;
+  return changed.item<int>() > 0;
+}
+
 bool Reducer::State::buffers_changed_locally() const {
   for (size_t i = 0; i < buffers.size(); ++i) {
     if (buffers[i]._version() != buffer_versions[i]) {
@@ -273,11 +280,14 @@ void Reducer::after_forward(const std::vector<at::Tensor>& outputs) {
   double forward_ms = ms_between(state.forward_start, state.forward_end);
   state.stats.last.forward_ms = forward_ms;
   state.stats.total.forward_ms += forward_ms;
+  if (!at::GradMode::is_enabled()) {
+    return;
+  }
+  state.hook_outputs(outputs);
   bool walkable = !outputs.empty() &&
       std::all_of(outputs.begin(), outputs.end(),
                   [](const at::Tensor& t) { return t.defined(); });
-  if (!state.options.find_unused_parameters() || !state.sync_at_forward ||
-      !walkable || !at::GradMode::is_enabled()) {
+  if (!state.options.find_unused_parameters() || !state.sync_at_forward || !walkable) {
     return;
   }
   auto reachable = reachable_nodes(outputs);
@@ -288,6 +298,48 @@ void Reducer::after_forward(const std::vector<at::Tensor>& outputs) {
     }
   }
   state.unused_at_forward = std::move(unused);
+  state.unused_forward = state.forwards;
+}
+
+namespace {
+
+// On the autograd node of a forward's output: a backward that reaches it
+// is that forward's backward, whichever graph task runs it and however
+// often (a second backward with retain_graph is another of its backwards,
+// not a bypass).
+class ForwardReached : public torch::autograd::FunctionPreHook {
+ public:
+  ForwardReached(std::weak_ptr<Reducer::State> state, int64_t forward, bool sync)
+      : state_(std::move(state)), forward_(forward), sync_(sync) {}
+  torch::autograd::variable_list operator()(
+      const torch::autograd::variable_list& grads) override {
+    if (auto state = state_.lock()) {
+      state->on_forward_reached(forward_, sync_);
+    }
+    return grads;
+  }
+
+ private:
+  std::weak_ptr<Reducer::State> state_;
+  int64_t forward_;
+  bool sync_;
+};
+
+} // namespace
+
+void Reducer::State::hook_outputs(const std::vector<at::Tensor>& outputs) {
+  std::unordered_set<const torch::autograd::Node*> hooked;
+  for (const auto& output : outputs) {
+    if (output.defined() && output.requires_grad() && output.grad_fn() &&
+        hooked.insert(output.grad_fn().get()).second) {
+      output.grad_fn()->add_pre_hook(
+          std::make_unique<ForwardReached>(weak_from_this(), forwards, sync_at_forward));
+    }
+  }
+  // Outputs of another type carry no hook: the next backward is taken to
+  // be this forward's.
+  unhooked_forward = hooked.empty() ? forwards : 0;
+  unhooked_sync = sync_at_forward;
 }
 
 void Reducer::set_sync_enabled(bool enabled) {

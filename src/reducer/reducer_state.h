@@ -19,6 +19,9 @@
 namespace torch::autograd {
 struct Node;
 } // namespace torch::autograd
+namespace torch::nn {
+class Module;
+} // namespace torch::nn
 
 namespace lockstep::detail {
 
@@ -36,9 +39,16 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   DdpOptions options;
   bool info = false; // DebugLevel Info or Detail
 
-  // Trainable parameters, each once, in registration order.
+  // Trainable parameters, each once, in registration order (then those
+  // taken in later).
   std::vector<std::string> names;
   std::vector<at::Tensor> params;
+  // Parameters of embeddings built with sparse(true): averaged as sparse
+  // tensors at the end of backward (sparse_gradients.cpp), not in buckets.
+  std::vector<char> sparse;
+  // Parameters that did not require grad when last looked at: one that
+  // starts to is taken in (late_parameters.cpp).
+  std::vector<NamedTensor> frozen;
   // Kept alive: a parameter only holds a weak reference to its accumulator,
   // and a new one, without our hook, would replace it.
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
@@ -55,12 +65,17 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   mutable std::mutex mutex;
   bool sync_enabled = true;
 
-  // Set by a forward through the wrapper, consumed by the next backward.
-  bool forward_seen = false;
+  // The forward in progress, or the last one.
   bool sync_at_forward = true;
-  std::optional<std::vector<size_t>> unused_at_forward;
   Clock::time_point forward_start;
   Clock::time_point forward_end;
+  // find_unused_parameters' verdict on forward `unused_forward`.
+  std::optional<std::vector<size_t>> unused_at_forward;
+  int64_t unused_forward = 0;
+  // A forward whose outputs carried no hook (not tensors): the next backward
+  // is taken to be its.
+  int64_t unhooked_forward = 0;
+  bool unhooked_sync = true;
 
   // The backward in progress.
   bool iteration_open = false;
@@ -69,6 +84,8 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   // in each bucket's description, so that DETAIL tells a rank that skipped
   // a backward from one that is simply at the same iteration count.
   int64_t backward_of_forward = 0;
+  int64_t timed_forward = 0;
+  bool backward_from_forward_end = false;
   Clock::time_point first_gradient;
   std::vector<char> ready;
   std::vector<char> used_now;
@@ -88,19 +105,34 @@ struct Reducer::State : std::enable_shared_from_this<State> {
 
   // Across iterations.
   std::vector<char> used_since_sync;
-  bool buffers_need_broadcast = false;
   bool rebuilt = false;
   std::optional<std::vector<char>> static_used;
   bool warned_bypass = false;
   int64_t iteration = 0; // synchronised backward passes begun
   DdpStats stats;
 
-  void install_hooks();
+  /// Hooks the accumulators of params[first...].
+  void install_hooks(size_t first);
   void layout_buckets(const std::vector<size_t>& order);
+  /// The parameters of `order` that go in buckets (the dense ones).
+  std::vector<size_t> dense_only(const std::vector<size_t>& order) const;
+  /// Marks the parameters of sparse embeddings.
+  void find_sparse_parameters(torch::nn::Module& module);
+  /// Averages every sparse parameter's gradient across ranks.
+  void reduce_sparse_gradients();
+  bool trainable_changed_locally() const;
+  /// Collective: takes in the parameters that began to require grad on
+  /// every rank, averages this backward's gradients of them, and lays out
+  /// the buckets again.
+  void take_in_unfrozen();
   std::vector<size_t> reverse_registration_order() const;
 
   void on_gradient(size_t index);
-  void open_iteration();
+  /// A backward reached an output of forward `forward`: the iteration is
+  /// that forward's, however many backwards (nested or repeated) run.
+  void on_forward_reached(int64_t forward, bool sync);
+  /// `forward` 0: a backward that bypassed the wrapper.
+  void open_iteration(int64_t forward, bool sync);
   void mark_ready(size_t index, bool used);
   void launch_ready_buckets(bool include_last);
   void finalize();
@@ -108,6 +140,10 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   void write_back(const std::vector<double>& global_flags);
   void rebuild_buckets();
   bool buffers_changed_locally() const;
+  /// Collective: whether any rank's buffers changed since the last broadcast.
+  bool buffers_changed_anywhere();
+  /// Puts ForwardReached hooks on the outputs of the forward just run.
+  void hook_outputs(const std::vector<at::Tensor>& outputs);
   void broadcast_buffers();
   void check_replicas();
   void record_timeline(Clock::time_point wait_start, Clock::time_point wait_end) const;
