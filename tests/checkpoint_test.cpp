@@ -76,6 +76,123 @@ TEST(Checkpoint, RoundTripRestoresModelOptimizerExtraAndRandomState) {
   EXPECT_TRUE(result.ok()) << result.report();
 }
 
+TEST(Checkpoint, EachRankResumesItsOwnRandomStream) {
+  for (int world_size : {2, 3}) {
+    ScratchFolder folder("checkpoint");
+    auto result = launch_ranks(with_shared_folder(world_size, folder.path()), [](int rank) {
+      World world = init();
+      torch::manual_seed(100 + rank); // noise and dropout differ by rank
+      Mlp model;
+      DDP<Mlp> ddp(model, world);
+      torch::optim::SGD optimizer(model->parameters(), 0.1);
+      std::string path = shared_folder() + "/streams.pt";
+      save_checkpoint(world, path, *model, optimizer);
+      auto continuation = torch::rand({4});
+      torch::rand({16}); // wander off
+      load_checkpoint(world, path, *model, optimizer);
+      EXPECT_TRUE(torch::rand({4}).equal(continuation)) << "rank " << rank
+                                                         << " did not resume its own stream";
+      auto draws = world.all_gather(continuation);
+      for (int other = 0; other < world.size(); ++other) {
+        EXPECT_EQ(draws[other].equal(continuation), other == rank)
+            << "ranks " << rank << " and " << other;
+      }
+    });
+    EXPECT_TRUE(result.ok()) << result.report();
+  }
+}
+
+TEST(Checkpoint, AtAnotherWorldSizeTheNewRanksKeepTheirOwnStream) {
+  ScratchFolder folder("checkpoint");
+  auto write = launch_ranks(with_shared_folder(2, folder.path()), [](int rank) {
+    World world = init();
+    torch::manual_seed(100 + rank);
+    Mlp model;
+    torch::optim::SGD optimizer(model->parameters(), 0.1);
+    save_checkpoint(world, shared_folder() + "/two.pt", *model, optimizer);
+  });
+  auto read = launch_ranks(with_shared_folder(3, folder.path()), [](int rank) {
+    World world = init();
+    torch::manual_seed(100 + rank);
+    auto own = torch::rand({4});
+    torch::manual_seed(100 + rank);
+    Mlp model;
+    torch::optim::SGD optimizer(model->parameters(), 0.1);
+    torch::manual_seed(100 + rank);
+    load_checkpoint(world, shared_folder() + "/two.pt", *model, optimizer);
+    if (rank == 2) {
+      EXPECT_TRUE(torch::rand({4}).equal(own)) << "rank 2 did not keep its own stream";
+    }
+  });
+  if (in_rank_process()) {
+    return;
+  }
+  ASSERT_TRUE(write.ok()) << write.report();
+  ASSERT_TRUE(read.ok()) << read.report();
+  EXPECT_NE(read.ranks[0].output.find(
+                "two.pt holds the random streams of 2 rank(s) and this job has 3: ranks below 2 "
+                "resume their own, the others keep the state their program seeded."),
+            std::string::npos)
+      << read.ranks[0].output;
+}
+
+TEST(Checkpoint, SeveralModelsAndOptimizersLiveInOneFile) {
+  // A GAN: a generator and a discriminator, each with its optimizer.
+  ScratchFolder folder("checkpoint");
+  auto result = launch_ranks(with_shared_folder(2, folder.path()), [](int rank) {
+    World world = init();
+    torch::manual_seed(7);
+    Mlp generator(20, 32, 20);
+    Mlp discriminator(20, 16, 1);
+    DDP<Mlp> g(generator, world);
+    DDP<Mlp> d(discriminator, world);
+    torch::optim::Adam g_optimizer(generator->parameters(), 1e-3);
+    torch::optim::SGD d_optimizer(discriminator->parameters(),
+                                  torch::optim::SGDOptions(0.1).momentum(0.9));
+    auto step = [&](int64_t i) {
+      auto [x, y] = global_batch(i, 8, {20});
+      g_optimizer.zero_grad();
+      d_optimizer.zero_grad();
+      d(g(x.narrow(0, 4 * rank, 4))).mean().backward();
+      g_optimizer.step();
+      d_optimizer.step();
+    };
+    step(0);
+    CheckpointItems items;
+    items.module("generator", *generator)
+        .module("discriminator", *discriminator)
+        .optimizer("generator", g_optimizer)
+        .optimizer("discriminator", d_optimizer);
+    std::string path = shared_folder() + "/gan.pt";
+    CheckpointExtra extra;
+    extra.step = 1;
+    save_checkpoint(world, path, items, extra);
+    step(1);
+    auto expected = flatten(generator->parameters());
+    auto expected_d = flatten(discriminator->parameters());
+    step(5); // wander off
+    EXPECT_EQ(load_checkpoint(world, path, items).step, 1);
+    step(1);
+    EXPECT_TRUE(flatten(generator->parameters()).equal(expected));
+    EXPECT_TRUE(flatten(discriminator->parameters()).equal(expected_d));
+
+    Mlp critic(20, 16, 1);
+    torch::optim::SGD c_optimizer(critic->parameters(), 0.1);
+    expect_error<CheckpointError>(
+        [&] {
+          load_checkpoint(world, path,
+                          CheckpointItems().module("critic", *critic).optimizer("critic",
+                                                                              c_optimizer));
+        },
+        {"gan.pt holds no module named 'critic': its modules are 'generator', "
+         "'discriminator'."});
+    expect_error<CheckpointError>(
+        [&] { CheckpointItems().module("twice", *critic).module("twice", *critic); },
+        {"two modules named 'twice' in one checkpoint; give each its own name."});
+  });
+  EXPECT_TRUE(result.ok()) << result.report();
+}
+
 TEST(Checkpoint, BadFilesAreClearErrorsOnEveryRank) {
   ScratchFolder folder("checkpoint");
   auto result = launch_ranks(with_shared_folder(2, folder.path()), [](int) {
@@ -114,7 +231,7 @@ TEST(Checkpoint, BadFilesAreClearErrorsOnEveryRank) {
     torch::optim::SGD wider_optimizer(wider->parameters(), 0.1);
     expect_error<CheckpointError>(
         [&] { load_checkpoint(world, good, *wider, wider_optimizer); },
-        {"good.pt was saved from another model: at entry 0 the checkpoint has "
+        {"good.pt was saved from another model: at entry 0 of module 'model' the checkpoint has "
          "parameter 'fc1.weight': Float [32, 20]",
          "where this model has parameter 'fc1.weight': Float [33, 20]"});
     // None of that touched the good one.

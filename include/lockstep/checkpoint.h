@@ -3,11 +3,14 @@
 // Checkpoints that survive a crash: written by rank 0 alone, atomically
 // (temp file in the same folder, fsync, rename), with a checksum and the
 // world size; loaded on every rank, with an error that says what is wrong
-// with a truncated, corrupted or mismatched file.
+// with a truncated, corrupted or mismatched file. One file holds any number
+// of named modules and optimizers, and every rank's random stream.
 
 #include <cstdint>
 #include <map>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <lockstep/world.h>
 
@@ -38,20 +41,64 @@ enum class CheckpointRead {
   RankZeroBroadcasts,
 };
 
-/// Collective. Rank 0 writes `module`'s parameters and buffers, the
-/// optimizer's state, `extra` and the CPU random generator's state to
-/// `path`; every rank returns once the file is complete. The previous file
-/// at `path` stays intact until the new one is complete.
+/// What one checkpoint holds: any number of named modules and optimizers,
+/// written together into one file, as PyTorch users save a dict:
+///
+///   lockstep::CheckpointItems items;
+///   items.module("generator", *generator).module("discriminator", *critic)
+///       .optimizer("generator", generator_optimizer)
+///       .optimizer("discriminator", critic_optimizer);
+///   lockstep::save_checkpoint(world, path, items, extra);
+///   ...
+///   lockstep::load_checkpoint(world, path, items);
+///
+/// The items are referred to, not copied: they must outlive the call.
+class CheckpointItems {
+ public:
+  CheckpointItems& module(const std::string& name, torch::nn::Module& module);
+  CheckpointItems& optimizer(const std::string& name, torch::optim::Optimizer& optimizer);
+
+  const std::vector<std::pair<std::string, torch::nn::Module*>>& modules() const {
+    return modules_;
+  }
+  const std::vector<std::pair<std::string, torch::optim::Optimizer*>>& optimizers() const {
+    return optimizers_;
+  }
+
+ private:
+  std::vector<std::pair<std::string, torch::nn::Module*>> modules_;
+  std::vector<std::pair<std::string, torch::optim::Optimizer*>> optimizers_;
+};
+
+/// Collective. Rank 0 writes the items' parameters, buffers and optimizer
+/// states, `extra`, and every rank's CPU random generator state to `path`;
+/// every rank returns once the file is complete. The previous file at
+/// `path` stays intact until the new one is complete.
+void save_checkpoint(
+    World& world,
+    const std::string& path,
+    const CheckpointItems& items,
+    const CheckpointExtra& extra = {});
+
+/// Collective. Restores what save_checkpoint wrote, on every rank, into the
+/// items' own tensors (so a DDP wrapper and the optimizers keep working),
+/// each rank's random generator included. Raises lockstep::CheckpointError
+/// on every rank if any rank cannot load: a missing or unreadable file, or
+/// one that lacks an item or holds another model under its name. Items in
+/// the file that `items` does not name are left alone.
+CheckpointExtra load_checkpoint(
+    World& world,
+    const std::string& path,
+    const CheckpointItems& items,
+    CheckpointRead read = CheckpointRead::EveryRank);
+
+/// The one-model form: `module` as "model" and `optimizer` as "optimizer".
 void save_checkpoint(
     World& world,
     const std::string& path,
     torch::nn::Module& module,
     torch::optim::Optimizer& optimizer,
     const CheckpointExtra& extra = {});
-
-/// Collective. Restores what save_checkpoint wrote, on every rank, into the
-/// module's own tensors (so a DDP wrapper and the optimizer keep working).
-/// Raises lockstep::CheckpointError on every rank if any rank cannot load.
 CheckpointExtra load_checkpoint(
     World& world,
     const std::string& path,
