@@ -109,6 +109,85 @@ TEST_P(Behaviour, BypassedWrapperStillAveragesAndWarnsOnce) {
   });
 }
 
+/// Linear, BatchNorm1d, ReLU, Linear, and a constant mask: the model of a
+/// user whose check_replicas() once cried wolf on every step.
+struct NormedImpl : torch::nn::Module {
+  NormedImpl()
+      : body(register_module("body", torch::nn::Sequential(torch::nn::Linear(20, 16),
+                                                         torch::nn::BatchNorm1d(16),
+                                                         torch::nn::ReLU(),
+                                                         torch::nn::Linear(16, 5)))),
+        mask(register_buffer("mask", torch::ones({20}))) {}
+  torch::Tensor forward(torch::Tensor x) {
+    return body->forward(x * mask);
+  }
+  torch::nn::Sequential body;
+  torch::Tensor mask;
+};
+TORCH_MODULE(Normed);
+
+TEST_P(Behaviour, CheckReplicasPassesBetweenStepsOfAHealthyBatchNormModel) {
+  run_ranks(GetParam(), [](int rank) {
+    World world = init();
+    torch::manual_seed(21);
+    Normed model;
+    DDP<Normed> ddp(model, world, DdpOptions().verify_every(1));
+    torch::optim::SGD optimizer(model->parameters(), 0.1);
+    for (int step = 0; step < 4; ++step) {
+      auto [x, y] = global_batch(step, 8 * world.size(), {20});
+      optimizer.zero_grad();
+      torch::mse_loss(ddp(x.narrow(0, 8 * rank, 8)), y.narrow(0, 8 * rank, 8)).backward();
+      optimizer.step();
+      ddp.check_replicas(); // each rank's running statistics moved with its shard: fine
+    }
+    if (world.size() == 1) {
+      return;
+    }
+    // A buffer that should be equal, changed on one rank without counting as
+    // a change (raw memory): caught, as a buffer, with what to call.
+    if (rank == 1) {
+      model->mask.data_ptr<float>()[3] = 2.0f;
+    }
+    expect_error<UsageError>(
+        [&] { ddp.check_replicas(); },
+        {"the replicas diverged: buffer 'mask' on rank 1 differs from rank 0's, though no "
+         "rank changed it since the buffers were last synchronised. Buffers are synchronised "
+         "from rank 0 before each forward after which some rank changed one",
+         "Call ddp.sync_buffers() to give every rank rank 0's buffers now, or "
+         "ddp.check_replicas(ReplicaCheck::Parameters) to check the parameters alone."});
+    ddp.check_replicas(ReplicaCheck::Parameters);
+    ddp.sync_buffers();
+    ddp.check_replicas();
+    // A parameter is always compared.
+    if (rank == 1) {
+      torch::NoGradGuard no_grad;
+      model->body[0]->as<torch::nn::Linear>()->bias.add_(1e-3);
+    }
+    expect_error<UsageError>([&] { ddp.check_replicas(ReplicaCheck::Parameters); },
+                             {"the replicas diverged: 'body.0.bias' on rank 1 differs"});
+  });
+}
+
+TEST_P(Behaviour, ABackwardThatBypassedTheWrapperKeepsBuffersInStep) {
+  run_ranks(GetParam(), [](int rank) {
+    World world = init();
+    torch::manual_seed(22);
+    Normed model;
+    CountingWarnings warnings; // the bypass's one warning
+    c10::Warning::WarningHandlerGuard guard(&warnings);
+    DDP<Normed> ddp(model, world);
+    for (int step = 0; step < 3; ++step) {
+      auto [x, y] = global_batch(step, 8 * world.size(), {20});
+      model->zero_grad();
+      // ddp.module(): the wrapper sees no forward; backward still syncs.
+      torch::mse_loss(ddp.module()(x.narrow(0, 8 * rank, 8)), y.narrow(0, 8 * rank, 8))
+          .backward();
+      expect_same_on_every_rank(world, flatten(model->buffers()),
+                                "buffers after bypassing backward " + std::to_string(step));
+    }
+  });
+}
+
 TEST_P(Behaviour, BypassIgnoreKeepsGradientsLocal) {
   run_ranks(GetParam(), [](int rank) {
     World world = init();

@@ -156,11 +156,20 @@ class DistributedDataParallel {
   }
 
   /// Collective: checks, with one small all-gather of per-tensor checksums,
-  /// that every rank holds bit-identical parameters and buffers; raises
-  /// lockstep::UsageError naming the first tensor that differs and the ranks
-  /// that hold other values. DdpOptions::verify_every runs it periodically.
-  void check_replicas() {
-    reducer_->check_replicas();
+  /// that every rank holds bit-identical parameters and the buffers that
+  /// should be equal now (see ReplicaCheck); raises lockstep::UsageError
+  /// naming the first tensor that differs and the ranks that hold other
+  /// values. Passes at any point between steps of a healthy model, BatchNorm
+  /// included. DdpOptions::verify_every runs it periodically.
+  void check_replicas(ReplicaCheck what = ReplicaCheck::All) {
+    reducer_->check_replicas(what);
+  }
+
+  /// Collective: every rank takes rank 0's buffers now (before an
+  /// evaluation on every rank, or a check of all buffers), as the next
+  /// forward would do for those that changed.
+  void sync_buffers() {
+    reducer_->sync_buffers();
   }
 
  private:

@@ -22,6 +22,17 @@ enum class BufferSync {
   Never,
 };
 
+/// What DistributedDataParallel::check_replicas compares.
+enum class ReplicaCheck {
+  /// The parameters, and the buffers that should be equal now: those that no
+  /// rank changed since they were last synchronised (BatchNorm's running
+  /// statistics legitimately differ between a forward and the next one).
+  /// Buffers under BufferSync::Never are each rank's own and not compared.
+  All,
+  /// The parameters alone.
+  Parameters,
+};
+
 /// What happens when a backward reaches the wrapped module's parameters
 /// without a forward through the wrapper (the loss was computed on
 /// ddp.module(), which in PyTorch silently skips the gradient averaging).

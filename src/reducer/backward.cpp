@@ -267,6 +267,11 @@ void Reducer::State::finalize() {
   if (trainable_changed) {
     take_in_unfrozen();
   }
+  if (backward_of_forward == 0) {
+    // No forward went through the wrapper to sync the buffers: the
+    // bypassing backward does, so that they stay in step all the same.
+    sync_buffers_as_configured();
+  }
 
   stats.iterations += 1;
   auto backward_start = backward_from_forward_end ? forward_end : first_gradient;

@@ -139,26 +139,43 @@ std::pair<int64_t, int64_t> checksum(const at::Tensor& tensor) {
 
 } // namespace
 
-void check_replicas_agree(World& world, const std::vector<NamedTensor>& state) {
-  auto mine = at::empty({static_cast<int64_t>(state.size()), 2}, at::kLong);
+void check_replicas_agree(World& world, const std::vector<ReplicaEntry>& state) {
+  auto mine = at::empty({static_cast<int64_t>(state.size()), 3}, at::kLong);
   auto* sums = mine.data_ptr<int64_t>();
   for (size_t i = 0; i < state.size(); ++i) {
-    std::tie(sums[2 * i], sums[2 * i + 1]) = checksum(state[i].tensor);
+    std::tie(sums[3 * i], sums[3 * i + 1]) = checksum(state[i].entry.tensor);
+    sums[3 * i + 2] = state[i].changed_here ? 1 : 0;
   }
   auto all = world.all_gather(mine);
   for (size_t i = 0; i < state.size(); ++i) {
+    auto row = static_cast<int64_t>(i);
+    bool changed = false;
+    for (int rank = 0; rank < world.size(); ++rank) {
+      changed |= all[rank][row][2].item<int64_t>() != 0;
+    }
+    if (changed) {
+      continue; // some rank's forward moved it: the next forward syncs it
+    }
     std::vector<int> differing;
     for (int rank = 1; rank < world.size(); ++rank) {
-      if (!all[rank][static_cast<int64_t>(i)].equal(all[0][static_cast<int64_t>(i)])) {
+      if (!all[rank][row].equal(all[0][row])) {
         differing.push_back(rank);
       }
     }
+    const auto& name = state[i].entry.name;
     LOCKSTEP_ENFORCE(
-        differing.empty(), UsageError, "the replicas diverged: '",
-        state[i].name, "' on ", ranks_text(differing),
-        " differs from rank 0's. Something changed it outside the optimizer "
-        "step on some ranks (a manual edit, a rank-dependent update, a load "
+        differing.empty() || state[i].buffer, UsageError, "the replicas diverged: '", name,
+        "' on ", ranks_text(differing), " differs from rank 0's. Something changed it outside "
+        "the optimizer step on some ranks (a manual edit, a rank-dependent update, a load "
         "on one rank only).");
+    LOCKSTEP_ENFORCE(
+        differing.empty(), UsageError, "the replicas diverged: buffer '", name, "' on ",
+        ranks_text(differing), " differs from rank 0's, though no rank changed it since the "
+        "buffers were last synchronised. Buffers are synchronised from rank 0 before each "
+        "forward after which some rank changed one, and this one was changed on some ranks "
+        "in a way that does not count as a change (through raw memory, or a load). Call "
+        "ddp.sync_buffers() to give every rank rank 0's buffers now, or "
+        "ddp.check_replicas(ReplicaCheck::Parameters) to check the parameters alone.");
   }
 }
 

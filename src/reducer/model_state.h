@@ -41,9 +41,19 @@ void check_same_model(
     const std::vector<NamedTensor>& parameters,
     const std::vector<NamedTensor>& buffers);
 
+/// What check_replicas_agree compares: parameters, and buffers with
+/// whether this rank changed them since they were last synchronised.
+struct ReplicaEntry {
+  NamedTensor entry;
+  bool buffer = false;
+  bool changed_here = false;
+};
+
 /// Raises, on every rank, a UsageError naming the first of `state` whose
 /// bytes differ between ranks (two 64-bit checksums per tensor, gathered).
-void check_replicas_agree(World& world, const std::vector<NamedTensor>& state);
+/// A buffer that some rank changed since the last synchronisation is not
+/// compared: it differs legitimately until the next forward syncs it.
+void check_replicas_agree(World& world, const std::vector<ReplicaEntry>& state);
 
 /// Overwrites `tensors` on every rank with rank 0's values, in one
 /// broadcast per dtype; `what` names them in errors.

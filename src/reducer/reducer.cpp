@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <iostream>
+#include <set>
 #include <sstream>
 #include <unordered_set>
 
@@ -68,8 +69,8 @@ Reducer::Reducer(torch::nn::Module& module, World world, DdpOptions options)
       "requires_grad on the parameters to train, or leave the module unwrapped.");
 
   check_same_model(state.world, all_params, all_buffers);
-  state.replica_state = all_params;
-  state.replica_state.insert(state.replica_state.end(), all_buffers.begin(), all_buffers.end());
+  state.all_params = all_params;
+  state.named_buffers = all_buffers;
   broadcast_from_rank0(state.world, module_state,
                        "rank 0's parameters and buffers at construction");
   for (const auto& buffer : state.buffers) {
@@ -208,34 +209,64 @@ void Reducer::before_forward() {
   state.stats.last = IterationStats{};
   state.forward_start = Clock::now();
   state.sync_at_forward = state.sync_enabled;
+  state.sync_buffers_as_configured();
+  ++state.forwards;
+  if (state.options.verify_every() > 0 &&
+      state.forwards % state.options.verify_every() == 0) {
+    state.check_replicas(ReplicaCheck::All);
+  }
+}
+
+void Reducer::State::sync_buffers_as_configured() {
   bool broadcast = false;
-  switch (state.options.broadcast_buffers()) {
+  switch (options.broadcast_buffers()) {
     case BufferSync::Always:
       broadcast = true;
       break;
     case BufferSync::Never:
       break;
     case BufferSync::WhenChanged:
-      broadcast = !state.buffers.empty() && state.buffers_changed_anywhere();
+      broadcast = !buffers.empty() && buffers_changed_anywhere();
       break;
   }
-  if (broadcast && !state.buffers.empty()) {
-    state.broadcast_buffers();
-  }
-  ++state.forwards;
-  if (state.options.verify_every() > 0 &&
-      state.forwards % state.options.verify_every() == 0) {
-    state.check_replicas();
+  if (broadcast && !buffers.empty()) {
+    broadcast_buffers();
   }
 }
 
-void Reducer::check_replicas() {
+void Reducer::check_replicas(ReplicaCheck what) {
   std::lock_guard<std::mutex> lock(state_->mutex);
-  state_->check_replicas();
+  state_->check_replicas(what);
 }
 
-void Reducer::State::check_replicas() {
-  check_replicas_agree(world, replica_state);
+void Reducer::sync_buffers() {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  if (!state_->buffers.empty()) {
+    state_->broadcast_buffers();
+  }
+}
+
+void Reducer::State::check_replicas(ReplicaCheck what) {
+  std::vector<ReplicaEntry> state;
+  for (const auto& entry : all_params) {
+    state.push_back({entry, /*buffer=*/false, /*changed_here=*/false});
+  }
+  if (what == ReplicaCheck::All && options.broadcast_buffers() != BufferSync::Never) {
+    // A module's buffers move together, and not every kernel counts its
+    // writes (BatchNorm's running statistics do not; its batch count does):
+    // a buffer counts as changed when any buffer of its module changed.
+    auto owner = [](const std::string& name) { return name.substr(0, name.rfind('.') + 1); };
+    std::set<std::string> changed_owners;
+    for (size_t i = 0; i < named_buffers.size(); ++i) {
+      if (named_buffers[i].tensor._version() != buffer_versions[i]) {
+        changed_owners.insert(owner(named_buffers[i].name));
+      }
+    }
+    for (const auto& buffer : named_buffers) {
+      state.push_back({buffer, /*buffer=*/true, changed_owners.count(owner(buffer.name)) > 0});
+    }
+  }
+  check_replicas_agree(world, state);
 }
 
 void Reducer::State::broadcast_buffers() {

@@ -54,8 +54,10 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
   std::vector<at::Tensor> buffers;
   std::vector<int64_t> buffer_versions; // as of the last broadcast
-  // Everything the replicas must agree on, for check_replicas.
-  std::vector<NamedTensor> replica_state;
+  // Every parameter (trainable or not) and every buffer, by name, for
+  // check_replicas.
+  std::vector<NamedTensor> all_params;
+  std::vector<NamedTensor> named_buffers;
   int64_t forwards = 0;
 
   std::vector<Bucket> buckets;
@@ -145,7 +147,10 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   /// Puts ForwardReached hooks on the outputs of the forward just run.
   void hook_outputs(const std::vector<at::Tensor>& outputs);
   void broadcast_buffers();
-  void check_replicas();
+  void check_replicas(ReplicaCheck what);
+  /// Collective: the buffers as BufferSync says, after a forward or a
+  /// bypassing backward (an agreement, then a broadcast if needed).
+  void sync_buffers_as_configured();
   void record_timeline(Clock::time_point wait_start, Clock::time_point wait_end) const;
   std::string describe_bucket(size_t bucket) const;
   void log_layout(const std::string& when) const;

@@ -42,7 +42,10 @@ class Reducer {
 
   /// Collective: raises UsageError naming the first parameter or buffer
   /// whose bytes differ between ranks, and the ranks that differ.
-  void check_replicas();
+  void check_replicas(ReplicaCheck what);
+
+  /// Collective: every rank takes rank 0's buffers now.
+  void sync_buffers();
 
   struct State;
 
