@@ -42,6 +42,39 @@ TEST(Launcher, GivesEveryRankItsVariablesAndPrefixesItsLines) {
   EXPECT_FALSE(contains(result.output, "master=127.0.0.1:0 ")) << "no port was picked";
 }
 
+TEST(Launcher, GivesEachRankOneThreadUnlessTold) {
+  auto result = launch({"--nproc-per-node", "2", "--", "sh", "-c", "echo omp=$OMP_NUM_THREADS"},
+                       {{"OMP_NUM_THREADS", ""}});
+  ASSERT_TRUE(result.ok()) << result.output;
+  EXPECT_TRUE(contains(result.output, "[0] omp=1")) << result.output;
+  EXPECT_TRUE(contains(result.output, "[1] omp=1")) << result.output;
+  EXPECT_TRUE(contains(result.output, "lockstep-run: OMP_NUM_THREADS is not set: each of the 2 "
+                                      "ranks on this machine gets OMP_NUM_THREADS=1"))
+      << result.output;
+  auto told = launch({"--nproc-per-node", "2", "--", "sh", "-c", "echo omp=$OMP_NUM_THREADS"},
+                     {{"OMP_NUM_THREADS", "3"}});
+  EXPECT_TRUE(contains(told.output, "[1] omp=3")) << told.output;
+  EXPECT_FALSE(contains(told.output, "OMP_NUM_THREADS is not set")) << told.output;
+}
+
+TEST(Launcher, PrefixesEverySegmentOfAProgressLine) {
+  auto result = launch({"--nproc-per-node", "1", "--", "sh", "-c",
+                        "printf 'step 1\\rstep 2\\rstep 3\\n'"});
+  ASSERT_TRUE(result.ok()) << result.output;
+  EXPECT_TRUE(contains(result.output, "[0] step 1\r[0] step 2\r[0] step 3\n")) << result.output;
+}
+
+TEST(Launcher, NamesAnUncaughtException) {
+  auto result = launch({"--nproc-per-node", "2", "--", "sh", "-c",
+                        "if [ $RANK = 1 ]; then kill -ABRT $$; fi; sleep 5"});
+  EXPECT_EQ(result.exit_code, 1) << result.output;
+  EXPECT_TRUE(contains(result.output,
+                       "lockstep-run: rank 1 was aborted (signal 6, SIGABRT), most likely by an "
+                       "uncaught exception: its message (\"terminate called after throwing "
+                       "...\") is in the rank's output above; stopping the other ranks"))
+      << result.output;
+}
+
 TEST(Launcher, PassesTheJobId) {
   // Replacing the value it inherited.
   auto result = launch({"--nproc-per-node", "2", "--job-id", "nightly-7", "--", "sh", "-c",

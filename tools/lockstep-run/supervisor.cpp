@@ -1,6 +1,7 @@
 #include "supervisor.h"
 
 #include <algorithm>
+#include <cstdlib>
 
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -48,12 +49,24 @@ void say(const std::string& line) {
 }
 
 std::string describe_exit(int status) {
+  if (WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT) {
+    // What std::terminate does after an exception nobody caught.
+    return "was aborted (signal 6, SIGABRT), most likely by an uncaught exception: its "
+           "message (\"terminate called after throwing ...\") is in the rank's output above";
+  }
   if (WIFSIGNALED(status)) {
     int signo = WTERMSIG(status);
     return "was killed by signal " + std::to_string(signo) + " (" +
         ::strsignal(signo) + ")";
   }
   return "exited with code " + std::to_string(WEXITSTATUS(status));
+}
+
+// Like torchrun: ranks that share a machine each get one intra-op thread
+// unless the user says otherwise, or N ranks x all cores of threads fight.
+bool set_omp_threads(const RunOptions& options) {
+  const char* threads = std::getenv("OMP_NUM_THREADS");
+  return options.nproc_per_node > 1 && (threads == nullptr || *threads == '\0');
 }
 
 bool failed(int status) {
@@ -83,6 +96,9 @@ void spawn(Rank& rank, const RunOptions& options, int local, int attempt, int po
   set("MASTER_ADDR", options.master_addr);
   set("MASTER_PORT", std::to_string(port));
   set("LOCKSTEP_RESTART_COUNT", std::to_string(attempt));
+  if (set_omp_threads(options)) {
+    set("OMP_NUM_THREADS", "1");
+  }
   if (!options.job_id.empty()) {
     set("LOCKSTEP_JOB_ID", options.job_id);
   }
@@ -143,22 +159,28 @@ void spawn(Rank& rank, const RunOptions& options, int local, int attempt, int po
   }
 }
 
-// Writes complete lines: prefixed on our stdout, or as they are to the log.
+// Writes complete segments: prefixed on our stdout, or as they are to the
+// log. A segment ends with a newline or a carriage return (a progress line
+// that redraws itself), and each gets the rank's prefix.
 void carry(Rank& rank, const char* data, size_t size, bool flush) {
   rank.partial.append(data, size);
   size_t start = 0;
-  for (size_t end; (end = rank.partial.find('\n', start)) != std::string::npos || flush;) {
+  for (size_t end; (end = rank.partial.find_first_of("\n\r", start)) != std::string::npos ||
+       flush;) {
+    std::string segment;
     if (end == std::string::npos) {
-      end = rank.partial.size();
-      if (end == start) {
+      if (start == rank.partial.size()) {
         break;
       }
-    }
-    std::string line = rank.partial.substr(start, end - start) + "\n";
-    if (rank.log >= 0) {
-      [[maybe_unused]] auto written = ::write(rank.log, line.data(), line.size());
+      segment = rank.partial.substr(start) + "\n";
+      end = rank.partial.size();
     } else {
-      std::string prefixed = "[" + std::to_string(rank.global) + "] " + line;
+      segment = rank.partial.substr(start, end + 1 - start);
+    }
+    if (rank.log >= 0) {
+      [[maybe_unused]] auto written = ::write(rank.log, segment.data(), segment.size());
+    } else {
+      std::string prefixed = "[" + std::to_string(rank.global) + "] " + segment;
       [[maybe_unused]] auto written = ::write(STDOUT_FILENO, prefixed.data(), prefixed.size());
     }
     start = end + 1;
@@ -209,6 +231,11 @@ AttemptResult run_attempt(const RunOptions& options, int attempt) {
     ::mkdir(options.log_dir.c_str(), 0755);
   }
   int port = options.master_port != 0 ? options.master_port : pick_free_port();
+  if (attempt == 0 && set_omp_threads(options)) {
+    say("OMP_NUM_THREADS is not set: each of the " + std::to_string(options.nproc_per_node) +
+        " ranks on this machine gets OMP_NUM_THREADS=1, so that they do not fight over the "
+        "cores (as torchrun does); set it to choose another number");
+  }
   std::vector<Rank> ranks(options.nproc_per_node);
   for (int local = 0; local < options.nproc_per_node; ++local) {
     ranks[local].global = options.node_rank * options.nproc_per_node + local;
