@@ -16,6 +16,7 @@
 
 #include <lockstep/ddp_options.h>
 #include <lockstep/ddp_stats.h>
+#include <lockstep/join.h>
 #include <lockstep/detail/reducer.h>
 #include <lockstep/world.h>
 
@@ -149,6 +150,12 @@ class DistributedDataParallel {
   /// `auto guard = ddp.no_sync();` keeps gradients local while it lives.
   [[nodiscard]] NoSyncGuard no_sync() {
     return NoSyncGuard(reducer_);
+  }
+
+  /// `auto join = ddp.join();` around the training loop lets ranks hold
+  /// different numbers of batches (see join.h).
+  [[nodiscard]] JoinGuard join(const JoinOptions& options = {}) {
+    return JoinGuard(reducer_, options);
   }
 
   DdpStats stats() const {

@@ -22,6 +22,9 @@ struct IterationStats {
   /// Agreements before forward on whether any rank's buffers changed (a
   /// 4-byte all-reduce, with BufferSync::WhenChanged and buffers to sync).
   int64_t buffer_agreements = 0;
+  /// Agreements before forward on which ranks still train (inside a join
+  /// guard only).
+  int64_t join_agreements = 0;
 };
 
 struct DdpStats {

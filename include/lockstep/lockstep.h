@@ -8,6 +8,8 @@
 #include <lockstep/ddp_stats.h>
 #include <lockstep/debug_level.h>
 #include <lockstep/error.h>
+#include <lockstep/join.h>
+#include <lockstep/sync_batch_norm.h>
 #include <lockstep/timeline.h>
 #include <lockstep/world.h>
 #include <lockstep/world_options.h>

@@ -84,12 +84,15 @@ void Reducer::State::open_iteration(int64_t forward, bool sync) {
   // Queued on the graph task that runs now: the backward of the loss, which
   // reached the forward's outputs before any parameter; a nested backward
   // (a reentrant checkpoint) inside it ends before it, and is part of it.
-  std::weak_ptr<State> weak = shared_from_this();
-  torch::autograd::Engine::get_default_engine().queue_callback([weak] {
-    if (auto state = weak.lock()) {
-      state->finalize();
-    }
-  });
+  // A shadowed iteration has no backward: join.cpp finalizes it.
+  if (!shadowing) {
+    std::weak_ptr<State> weak = shared_from_this();
+    torch::autograd::Engine::get_default_engine().queue_callback([weak] {
+      if (auto state = weak.lock()) {
+        state->finalize();
+      }
+    });
+  }
   used_now.assign(params.size(), 0);
   first_gradient = Clock::now();
   if (!iteration_sync) {
@@ -129,10 +132,11 @@ void Reducer::State::mark_ready(size_t index, bool used) {
   ready[index] = 1;
   auto& bucket = buckets[bucket_of[index]];
   size_t k = slot_of[index];
-  bool contributes = used || used_since_sync[index];
+  // A rank that ran out of batches adds zeros, whatever it accumulated.
+  bool contributes = !shadowing && (used || used_since_sync[index]);
   auto& grad = params[index].mutable_grad();
   at::NoGradGuard no_grad;
-  if (!grad.defined()) {
+  if (!grad.defined() || shadowing) {
     bucket.slot(k).zero_();
   } else if (grad.is_sparse()) {
     // A sparse gradient of a parameter in a bucket (a functional sparse
@@ -191,6 +195,7 @@ void Reducer::State::finalize() {
     State& state;
     ~CloseIteration() {
       state.iteration_open = false;
+      state.shadowing = false;
     }
   } close{*this};
   if (!iteration_sync) {
@@ -206,7 +211,7 @@ void Reducer::State::finalize() {
     if (ready[index] || sparse[index]) {
       continue;
     }
-    if (static_used && (*static_used)[index]) {
+    if (static_used && (*static_used)[index] && !shadowing) {
       problems.push_back(str(
           "parameter '", names[index], "' got no gradient in iteration ",
           iteration, " but did in the first one, which static_graph froze."));
@@ -239,7 +244,9 @@ void Reducer::State::finalize() {
   if (ranks_with_problems > 0) {
     raise_problems_everywhere(ranks_with_problems);
   }
-  write_back(global_flags);
+  if (!shadowing) {
+    write_back(global_flags); // a rank that ran out keeps its gradients
+  }
   used_since_sync.assign(params.size(), 0);
 
   stats.unused_parameters.clear();
@@ -248,7 +255,7 @@ void Reducer::State::finalize() {
       stats.unused_parameters.push_back(names[index]);
     }
   }
-  if (info && (iteration == 1 || stats.unused_parameters != last_unused)) {
+  if (info && !shadowing && (iteration == 1 || stats.unused_parameters != last_unused)) {
     std::string list;
     for (const auto& name : stats.unused_parameters) {
       list += (list.empty() ? "" : ", ") + name;
@@ -261,7 +268,7 @@ void Reducer::State::finalize() {
     rebuild_buckets();
     log_layout("rebuilt in the order gradients became ready");
   }
-  if (options.static_graph() && !static_used) {
+  if (options.static_graph() && !static_used && !shadowing) {
     static_used = used_now;
   }
   if (trainable_changed) {
@@ -339,7 +346,7 @@ void Reducer::State::write_back(const std::vector<double>& global_flags) {
   at::NoGradGuard no_grad;
   size_t flag = 0;
   for (auto& bucket : buckets) {
-    bucket.gradients().div_(world.size());
+    bucket.gradients().div_(gradient_divisor());
     for (size_t k = 0; k < bucket.members().size(); ++k, ++flag) {
       if (global_flags[flag] == 0) {
         continue; // used by no rank: its gradient stays as it was

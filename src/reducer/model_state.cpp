@@ -179,8 +179,8 @@ void check_replicas_agree(World& world, const std::vector<ReplicaEntry>& state) 
   }
 }
 
-void broadcast_from_rank0(
-    World& world, const std::vector<at::Tensor>& tensors, const std::string& what) {
+void broadcast_from(
+    World& world, int root, const std::vector<at::Tensor>& tensors, const std::string& what) {
   at::NoGradGuard no_grad;
   std::map<std::pair<int, std::string>, std::vector<at::Tensor>> groups;
   for (const auto& tensor : tensors) {
@@ -196,8 +196,8 @@ void broadcast_from_rank0(
     std::ostringstream description;
     description << "broadcast of " << what << " (" << flat.scalar_type() << ", "
                 << flat.numel() << " elements)";
-    world.broadcast(flat, 0, description.str());
-    if (world.rank() == 0) {
+    world.broadcast(flat, root, description.str());
+    if (world.rank() == root) {
       continue;
     }
     int64_t offset = 0;

@@ -55,9 +55,9 @@ struct ReplicaEntry {
 /// compared: it differs legitimately until the next forward syncs it.
 void check_replicas_agree(World& world, const std::vector<ReplicaEntry>& state);
 
-/// Overwrites `tensors` on every rank with rank 0's values, in one
+/// Overwrites `tensors` on every rank with rank `root`'s values, in one
 /// broadcast per dtype; `what` names them in errors.
-void broadcast_from_rank0(
-    World& world, const std::vector<at::Tensor>& tensors, const std::string& what);
+void broadcast_from(
+    World& world, int root, const std::vector<at::Tensor>& tensors, const std::string& what);
 
 } // namespace lockstep::detail

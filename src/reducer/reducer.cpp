@@ -15,6 +15,8 @@
 #include <torch/nn/module.h>
 #include <torch/nn/modules/embedding.h>
 
+#include <lockstep/sync_batch_norm.h>
+
 #include "reducer/graph_walk.h"
 #include "reducer/model_state.h"
 #include "reducer/reducer_state.h"
@@ -28,6 +30,22 @@ std::string mib(int64_t bytes) {
   out.precision(bytes < (1 << 20) ? 3 : 1);
   out << std::fixed << static_cast<double>(bytes) / (1 << 20) << " MiB";
   return out.str();
+}
+
+std::vector<char> buffers_in_step(torch::nn::Module& module,
+                                  const std::vector<at::Tensor>& buffers) {
+  std::vector<char> in_step(buffers.size(), 0);
+  for (const auto& item : module.named_modules()) {
+    if (dynamic_cast<const SyncBatchNormImpl*>(item.value().get()) == nullptr) {
+      continue;
+    }
+    for (const auto& buffer : item.value()->buffers(/*recurse=*/false)) {
+      for (size_t i = 0; i < buffers.size(); ++i) {
+        in_step[i] = in_step[i] || buffers[i].is_same(buffer);
+      }
+    }
+  }
+  return in_step;
 }
 
 } // namespace
@@ -71,13 +89,14 @@ Reducer::Reducer(torch::nn::Module& module, World world, DdpOptions options)
   check_same_model(state.world, all_params, all_buffers);
   state.all_params = all_params;
   state.named_buffers = all_buffers;
-  broadcast_from_rank0(state.world, module_state,
-                       "rank 0's parameters and buffers at construction");
+  broadcast_from(state.world, 0, module_state, "rank 0's parameters and buffers at construction");
   for (const auto& buffer : state.buffers) {
     state.buffer_versions.push_back(buffer._version());
   }
+  state.buffer_in_step = buffers_in_step(module, state.buffers);
 
   state.used_since_sync.assign(state.params.size(), 0);
+  state.active_ranks = state.world.size();
   state.find_sparse_parameters(module);
   state.layout_buckets(state.dense_only(state.reverse_registration_order()));
   state.log_layout("at construction, in reverse registration order");
@@ -209,9 +228,14 @@ void Reducer::before_forward() {
   state.stats.last = IterationStats{};
   state.forward_start = Clock::now();
   state.sync_at_forward = state.sync_enabled;
+  if (state.joining) {
+    state.agree_on_join(/*training_here=*/true,
+                        at::GradMode::is_enabled() && state.sync_at_forward);
+  }
   state.sync_buffers_as_configured();
   ++state.forwards;
-  if (state.options.verify_every() > 0 &&
+  // Once a rank ran out of batches, its replica lags until the join ends.
+  if (state.options.verify_every() > 0 && state.active_ranks == state.world.size() &&
       state.forwards % state.options.verify_every() == 0) {
     state.check_replicas(ReplicaCheck::All);
   }
@@ -226,10 +250,11 @@ void Reducer::State::sync_buffers_as_configured() {
     case BufferSync::Never:
       break;
     case BufferSync::WhenChanged:
-      broadcast = !buffers.empty() && buffers_changed_anywhere();
+      broadcast = std::count(buffer_in_step.begin(), buffer_in_step.end(), 0) > 0 &&
+          buffers_changed_anywhere();
       break;
   }
-  if (broadcast && !buffers.empty()) {
+  if (broadcast) {
     broadcast_buffers();
   }
 }
@@ -241,9 +266,7 @@ void Reducer::check_replicas(ReplicaCheck what) {
 
 void Reducer::sync_buffers() {
   std::lock_guard<std::mutex> lock(state_->mutex);
-  if (!state_->buffers.empty()) {
-    state_->broadcast_buffers();
-  }
+  state_->broadcast_buffers();
 }
 
 void Reducer::State::check_replicas(ReplicaCheck what) {
@@ -258,7 +281,7 @@ void Reducer::State::check_replicas(ReplicaCheck what) {
     auto owner = [](const std::string& name) { return name.substr(0, name.rfind('.') + 1); };
     std::set<std::string> changed_owners;
     for (size_t i = 0; i < named_buffers.size(); ++i) {
-      if (named_buffers[i].tensor._version() != buffer_versions[i]) {
+      if (!buffer_in_step[i] && named_buffers[i].tensor._version() != buffer_versions[i]) {
         changed_owners.insert(owner(named_buffers[i].name));
       }
     }
@@ -270,7 +293,17 @@ void Reducer::State::check_replicas(ReplicaCheck what) {
 }
 
 void Reducer::State::broadcast_buffers() {
-  broadcast_from_rank0(world, buffers, str("the buffers before forward ", forwards + 1));
+  std::vector<at::Tensor> apart;
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    if (!buffer_in_step[i]) {
+      apart.push_back(buffers[i]);
+    }
+  }
+  if (apart.empty()) {
+    return;
+  }
+  broadcast_from(world, buffer_root, apart,
+                 str("rank ", buffer_root, "'s buffers before forward ", forwards + 1));
   for (size_t i = 0; i < buffers.size(); ++i) {
     buffer_versions[i] = buffers[i]._version();
   }
@@ -293,7 +326,7 @@ bool Reducer::State::buffers_changed_anywhere() {
 
 bool Reducer::State::buffers_changed_locally() const {
   for (size_t i = 0; i < buffers.size(); ++i) {
-    if (buffers[i]._version() != buffer_versions[i]) {
+    if (!buffer_in_step[i] && buffers[i]._version() != buffer_versions[i]) {
       return true;
     }
   }

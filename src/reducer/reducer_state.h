@@ -54,6 +54,9 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
   std::vector<at::Tensor> buffers;
   std::vector<int64_t> buffer_versions; // as of the last broadcast
+  // Buffers that every rank updates alike (SyncBatchNorm's statistics of
+  // the global batch): never broadcast after construction, always compared.
+  std::vector<char> buffer_in_step;
   // Every parameter (trainable or not) and every buffer, by name, for
   // check_replicas.
   std::vector<NamedTensor> all_params;
@@ -105,6 +108,22 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   std::vector<Clock::time_point> bucket_launch;
   std::vector<std::string> problems;
 
+  // Uneven inputs (join.cpp), inside a join guard.
+  struct Joining {
+    JoinOptions options;
+    // Who trained at the last agreement that found anyone training.
+    std::vector<int> last_active;
+    bool backward_follows = false;
+  };
+  std::optional<Joining> joining;
+  // Ranks that had a batch in this iteration; the lowest of them is where
+  // the buffers come from.
+  int active_ranks = 0;
+  int buffer_root = 0;
+  // This rank ran out of batches and runs the others' iteration with zero
+  // gradients.
+  bool shadowing = false;
+
   // Across iterations.
   std::vector<char> used_since_sync;
   bool rebuilt = false;
@@ -147,6 +166,12 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   /// Puts ForwardReached hooks on the outputs of the forward just run.
   void hook_outputs(const std::vector<at::Tensor>& outputs);
   void broadcast_buffers();
+  /// Collective, before every forward inside a join guard: which ranks
+  /// still train, and whether a synchronised backward follows. False once
+  /// no rank trains.
+  bool agree_on_join(bool training_here, bool backward_follows);
+  /// What a bucket's sum is divided by.
+  int gradient_divisor() const;
   void check_replicas(ReplicaCheck what);
   /// Collective: the buffers as BufferSync says, after a forward or a
   /// bypassing backward (an agreement, then a broadcast if needed).

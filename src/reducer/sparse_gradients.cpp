@@ -62,7 +62,8 @@ void Reducer::State::reduce_sparse_gradients() {
     }
     const auto& param = params[index];
     auto grad = param.grad();
-    bool contributes = grad.defined() && (used_now[index] || used_since_sync[index]);
+    bool contributes =
+        !shadowing && grad.defined() && (used_now[index] || used_since_sync[index]);
     at::Tensor mine;
     if (contributes) {
       mine = (grad.is_sparse() ? grad : grad.to_sparse(/*sparse_dim=*/1)).coalesce();
@@ -98,7 +99,7 @@ void Reducer::State::reduce_sparse_gradients() {
     auto sum = at::sparse_coo_tensor(at::cat(index_parts, 1), at::cat(value_parts, 0),
                                      param.sizes(), values.options().layout(at::kSparse))
                    .coalesce();
-    param.mutable_grad() = sum / n;
+    param.mutable_grad() = sum / gradient_divisor();
     stats.last.bytes_reduced += (all_indices[0].nbytes() + all_values[0].nbytes()) * n;
   }
 }

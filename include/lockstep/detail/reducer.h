@@ -11,6 +11,7 @@
 
 #include <lockstep/ddp_options.h>
 #include <lockstep/ddp_stats.h>
+#include <lockstep/join.h>
 #include <lockstep/world.h>
 
 namespace torch::nn {
@@ -46,6 +47,15 @@ class Reducer {
 
   /// Collective: every rank takes rank 0's buffers now.
   void sync_buffers();
+
+  /// Uneven inputs (join.h): from now on, each forward agrees on which
+  /// ranks still train.
+  void enter_join(const JoinOptions& options);
+  /// Collective: this rank ran out of batches; shadows the others until all
+  /// did, then takes the last one's model.
+  void finish_join();
+  /// Leaves the join without a collective (an exception is unwinding).
+  void leave_join();
 
   struct State;
 

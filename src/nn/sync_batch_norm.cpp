@@ -1,0 +1,290 @@
+// SyncBatchNorm's forward and backward. The statistics travel in float64 as
+// per-rank sums (count x mean, count x (variance + mean^2), count), each
+// computed from this rank's batch by ATen's var_mean, so that ranks with
+// different batch sizes weigh exactly by their counts and an empty batch
+// adds nothing. The backward needs the global sums of dy and dy * (x - mean)
+// per channel; the weight and bias gradients stay local, and
+// DistributedDataParallel averages them like any other.
+
+#include <lockstep/sync_batch_norm.h>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/nn/init.h>
+#include <torch/nn/modules/batchnorm.h>
+
+#include <lockstep/error.h>
+
+namespace lockstep {
+namespace {
+
+using torch::autograd::variable_list;
+
+// The shape that broadcasts a per-channel tensor over an input of `dim`
+// dimensions.
+std::vector<int64_t> channel_shape(int64_t dim, int64_t channels) {
+  std::vector<int64_t> shape(static_cast<size_t>(dim), 1);
+  shape[1] = channels;
+  return shape;
+}
+
+// Every dimension but the channels'.
+std::vector<int64_t> reduced_dims(int64_t dim) {
+  std::vector<int64_t> dims{0};
+  for (int64_t d = 2; d < dim; ++d) {
+    dims.push_back(d);
+  }
+  return dims;
+}
+
+struct GlobalStatistics {
+  at::Tensor mean; // float64, per channel
+  at::Tensor var;  // biased, float64
+  int64_t count = 0;
+};
+
+GlobalStatistics gather_statistics(World& world, const at::Tensor& input) {
+  int64_t channels = input.size(1);
+  int64_t count = channels > 0 ? input.numel() / channels : 0;
+  auto sums = at::zeros({2 * channels + 1}, at::kDouble);
+  if (count > 0) {
+    auto [var, mean] = at::var_mean(input, reduced_dims(input.dim()), /*unbiased=*/false);
+    auto mean64 = mean.to(at::kDouble);
+    sums.narrow(0, 0, channels).copy_(mean64 * count);
+    sums.narrow(0, channels, channels).copy_((var.to(at::kDouble) + mean64 * mean64) * count);
+    sums[2 * channels] = static_cast<double>(count);
+  }
+  world.all_reduce_async(sums, ReduceOp::Sum,
+                         detail::str("SyncBatchNorm statistics of ", channels, " channels"))
+      .wait();
+  GlobalStatistics global;
+  global.count = static_cast<int64_t>(sums[2 * channels].item<double>());
+  LOCKSTEP_ENFORCE(
+      global.count > 1, UsageError, "SyncBatchNorm needs more than one value per channel "
+      "across all ranks in training, got ", global.count, " (input of this rank: ",
+      input.sizes(), ").");
+  global.mean = sums.narrow(0, 0, channels) / global.count;
+  global.var = (sums.narrow(0, channels, channels) / global.count - global.mean * global.mean)
+                   .clamp_min(0);
+  return global;
+}
+
+class SyncBatchNormBackward : public torch::autograd::Node {
+ public:
+  SyncBatchNormBackward(World world, at::Tensor input, at::Tensor weight, at::Tensor mean,
+                        at::Tensor invstd, int64_t count)
+      : world_(std::move(world)),
+        input_(std::move(input)),
+        weight_(std::move(weight)),
+        mean_(std::move(mean)),
+        invstd_(std::move(invstd)),
+        count_(count) {}
+
+  variable_list apply(variable_list&& grads) override {
+    at::NoGradGuard no_grad;
+    int64_t dim = input_.dim();
+    int64_t channels = input_.size(1);
+    auto shape = channel_shape(dim, channels);
+    auto dims = reduced_dims(dim);
+    auto dy = grads[0].defined() ? grads[0] : at::zeros_like(input_);
+    auto xmu = input_ - mean_.view(shape);
+    auto sum_dy = dy.sum(dims);
+    auto sum_dy_xmu = (dy * xmu).sum(dims);
+    // Every rank runs this all-reduce, whatever it needs: the ranks' graphs
+    // are alike, and the next collective must be the same everywhere.
+    auto sums = at::cat({sum_dy, sum_dy_xmu}).to(at::kDouble);
+    world_.all_reduce_async(sums, ReduceOp::Sum,
+                            detail::str("SyncBatchNorm gradient sums of ", channels,
+                                        " channels"))
+        .wait();
+    variable_list out(3);
+    if (should_compute_output(0)) {
+      auto mean_dy = (sums.narrow(0, 0, channels) / count_).to(input_.scalar_type());
+      auto mean_dy_xmu =
+          (sums.narrow(0, channels, channels) / count_).to(input_.scalar_type());
+      auto scale = weight_.defined() ? invstd_ * weight_ : invstd_;
+      out[0] = (dy - mean_dy.view(shape) -
+                xmu * (invstd_ * invstd_ * mean_dy_xmu).view(shape)) *
+          scale.view(shape);
+    }
+    if (should_compute_output(1)) {
+      out[1] = sum_dy_xmu * invstd_;
+    }
+    if (should_compute_output(2)) {
+      out[2] = sum_dy;
+    }
+    return out;
+  }
+
+  void release_variables() override {
+    input_.reset();
+    weight_.reset();
+  }
+
+ private:
+  World world_;
+  at::Tensor input_;
+  at::Tensor weight_;
+  at::Tensor mean_;
+  at::Tensor invstd_;
+  int64_t count_;
+};
+
+} // namespace
+
+const torch::nn::BatchNormOptions* batch_norm_options(const torch::nn::Module& module) {
+  if (const auto* bn = dynamic_cast<const torch::nn::BatchNorm1dImpl*>(&module)) {
+    return &bn->options;
+  }
+  if (const auto* bn = dynamic_cast<const torch::nn::BatchNorm2dImpl*>(&module)) {
+    return &bn->options;
+  }
+  if (const auto* bn = dynamic_cast<const torch::nn::BatchNorm3dImpl*>(&module)) {
+    return &bn->options;
+  }
+  return nullptr;
+}
+
+bool is_batch_norm(const torch::nn::Module& module) {
+  return batch_norm_options(module) != nullptr;
+}
+
+SyncBatchNormImpl::SyncBatchNormImpl(const torch::nn::BatchNormOptions& options_in, World world_in)
+    : options(options_in), world(std::move(world_in)) {
+  reset();
+}
+
+namespace {
+
+torch::nn::BatchNormOptions options_to_take_over(const torch::nn::Module& batch_norm) {
+  const auto* source = batch_norm_options(batch_norm);
+  LOCKSTEP_ENFORCE(source != nullptr, UsageError, "SyncBatchNorm takes over a "
+                   "torch::nn::BatchNorm1d, 2d or 3d, not a ", batch_norm.name(), ".");
+  return *source;
+}
+
+} // namespace
+
+SyncBatchNormImpl::SyncBatchNormImpl(const torch::nn::Module& batch_norm, World world_in)
+    : options(options_to_take_over(batch_norm)), world(std::move(world_in)) {
+  register_state(&batch_norm);
+}
+
+void SyncBatchNormImpl::reset() {
+  register_state(nullptr);
+  reset_parameters();
+}
+
+void SyncBatchNormImpl::register_state(const torch::nn::Module* source) {
+  // torch::nn::BatchNorm's registrations, under the same names.
+  int64_t features = options.num_features();
+  auto parameter = [&](const char* name, bool defined) {
+    if (source != nullptr) {
+      // Undefined ones (affine(false)) are not listed.
+      const auto* tensor = source->named_parameters(/*recurse=*/false).find(name);
+      return tensor ? register_parameter(name, *tensor, tensor->requires_grad())
+                    : register_parameter(name, torch::Tensor(), /*requires_grad=*/false);
+    }
+    return defined ? register_parameter(name, torch::empty({features}))
+                   : register_parameter(name, torch::Tensor(), /*requires_grad=*/false);
+  };
+  auto buffer = [&](const char* name, torch::Tensor fresh) {
+    if (source != nullptr) {
+      const auto* tensor = source->named_buffers(/*recurse=*/false).find(name);
+      return register_buffer(name, tensor ? *tensor : torch::Tensor());
+    }
+    return register_buffer(name, std::move(fresh));
+  };
+  bool affine = options.affine();
+  bool tracking = options.track_running_stats();
+  weight = parameter("weight", affine);
+  bias = parameter("bias", affine);
+  running_mean = buffer("running_mean", tracking ? torch::zeros({features}) : torch::Tensor());
+  running_var = buffer("running_var", tracking ? torch::ones({features}) : torch::Tensor());
+  num_batches_tracked = buffer(
+      "num_batches_tracked",
+      tracking ? torch::tensor(0, torch::dtype(torch::kLong)) : torch::Tensor());
+}
+
+void SyncBatchNormImpl::reset_running_stats() {
+  if (options.track_running_stats()) {
+    running_mean.zero_();
+    running_var.fill_(1);
+    num_batches_tracked.zero_();
+  }
+}
+
+void SyncBatchNormImpl::reset_parameters() {
+  reset_running_stats();
+  if (options.affine()) {
+    torch::nn::init::ones_(weight);
+    torch::nn::init::zeros_(bias);
+  }
+}
+
+torch::Tensor SyncBatchNormImpl::forward(const torch::Tensor& input) {
+  LOCKSTEP_ENFORCE(input.dim() >= 2, UsageError, "SyncBatchNorm expects an input of at least "
+                   "2 dimensions (N, C, ...), got ", input.sizes(), ".");
+  LOCKSTEP_ENFORCE(input.size(1) == options.num_features(), UsageError, "SyncBatchNorm of ",
+                   options.num_features(), " features got an input with ", input.size(1),
+                   " channels (", input.sizes(), ").");
+  bool tracking = options.track_running_stats();
+  if (!is_training()) {
+    // Running statistics, or without them this rank's batch, as BatchNorm
+    // does (and PyTorch's SyncBatchNorm): nothing to agree on.
+    return torch::batch_norm(input, weight, bias, running_mean, running_var,
+                             /*training=*/!tracking, 0.0, options.eps(),
+                             /*cudnn_enabled=*/false);
+  }
+  GlobalStatistics global = gather_statistics(world, input);
+  if (tracking) {
+    at::NoGradGuard no_grad;
+    num_batches_tracked += 1;
+    double factor = options.momentum().has_value()
+        ? *options.momentum()
+        : 1.0 / num_batches_tracked.item<double>();
+    auto unbiased = global.var * (static_cast<double>(global.count) / (global.count - 1));
+    running_mean.mul_(1 - factor).add_(global.mean.to(running_mean.scalar_type()), factor);
+    running_var.mul_(1 - factor).add_(unbiased.to(running_var.scalar_type()), factor);
+  }
+  auto dtype = input.scalar_type();
+  auto mean = global.mean.to(dtype);
+  auto invstd = (global.var + options.eps()).rsqrt().to(dtype);
+  auto shape = channel_shape(input.dim(), input.size(1));
+  at::Tensor output;
+  {
+    at::NoGradGuard no_grad;
+    auto scale = weight.defined() ? invstd * weight : invstd;
+    output = (input - mean.view(shape)) * scale.view(shape);
+    if (bias.defined()) {
+      output = output + bias.view(shape);
+    }
+  }
+  if (at::GradMode::is_enabled() &&
+      torch::autograd::compute_requires_grad(input, weight, bias)) {
+    auto node = std::shared_ptr<SyncBatchNormBackward>(
+        new SyncBatchNormBackward(world, input.detach(),
+                                  weight.defined() ? weight.detach() : at::Tensor(), mean,
+                                  invstd, global.count),
+        torch::autograd::deleteNode);
+    node->set_next_edges(torch::autograd::collect_next_edges(input, weight, bias));
+    torch::autograd::set_history(output, node);
+  }
+  return output;
+}
+
+void SyncBatchNormImpl::pretty_print(std::ostream& stream) const {
+  stream << "lockstep::SyncBatchNorm(" << options.num_features() << ", eps=" << options.eps()
+         << ", momentum=";
+  if (options.momentum().has_value()) {
+    stream << *options.momentum();
+  } else {
+    stream << "None";
+  }
+  stream << ", affine=" << options.affine()
+         << ", track_running_stats=" << options.track_running_stats() << ")";
+}
+
+} // namespace lockstep
