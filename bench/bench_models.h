@@ -47,25 +47,26 @@ struct CnnImpl : torch::nn::Module {
         fc1(register_module("fc1", torch::nn::Linear(9216, 128))),
         fc2(register_module("fc2", torch::nn::Linear(128, 10))) {
     if (batch_norm) {
-      bn1 = register_module("bn1", torch::nn::BatchNorm2d(32));
-      bn2 = register_module("bn2", torch::nn::BatchNorm2d(64));
+      // In Sequentials, so that convert_sync_batchnorm can replace them.
+      bn1 = register_module("bn1", torch::nn::Sequential(torch::nn::BatchNorm2d(32)));
+      bn2 = register_module("bn2", torch::nn::Sequential(torch::nn::BatchNorm2d(64)));
     }
   }
   torch::Tensor forward(torch::Tensor x) {
     x = conv1(x);
     if (bn1) {
-      x = bn1(x);
+      x = bn1->forward(x);
     }
     x = conv2(torch::relu(x));
     if (bn2) {
-      x = bn2(x);
+      x = bn2->forward(x);
     }
     x = torch::max_pool2d(torch::relu(x), 2).flatten(1);
     return fc2(torch::relu(fc1(x)));
   }
   torch::nn::Conv2d conv1, conv2;
   torch::nn::Linear fc1, fc2;
-  torch::nn::BatchNorm2d bn1{nullptr}, bn2{nullptr};
+  torch::nn::Sequential bn1{nullptr}, bn2{nullptr};
 };
 TORCH_MODULE(Cnn);
 

@@ -3,14 +3,16 @@
 // line: model, mode, median ms, peak RSS MiB (the largest over ranks).
 //
 //   ddp_bench MODEL MODE [ITERATIONS] [WARMUP]
-//   MODEL: mlp | cnn | cnn_bn | mlp_const | emb_sparse | emb_dense (a 1M x 64
+//   MODEL: mlp | cnn | cnn_bn | cnn_syncbn | mlp_const | emb_sparse | emb_dense (a 1M x 64
 //          embedding table with sparse or dense gradients)
 //   MODE:  lockstep (DistributedDataParallel) | manual (all-reduce each
 //          gradient after backward, as C++ users do by hand) | single (one
 //          process, no communication) | detail_ab (lockstep, switching
 //          LOCKSTEP_DEBUG=DETAIL's comparison off and on every 5 iterations:
 //          two lines, lockstep_ab and lockstep_detail, timed side by side in
-//          one process so that the machine's drift cancels out)
+//          one process so that the machine's drift cancels out) |
+//          lockstep_join (lockstep inside a join guard, every rank with the
+//          same batches: what the guard's agreement costs)
 // BENCH_BUCKET_CAP_MB overrides lockstep's bucket cap, to explore its effect.
 
 #include <sys/resource.h>
@@ -58,7 +60,8 @@ void run(World& world, ModelType model, const std::string& model_name,
   lockstep::bench::deterministic_init(*model);
   std::optional<DDP<ModelType>> ddp;
   bool alternate = mode == "detail_ab";
-  if (mode == "lockstep" || alternate) {
+  bool joined = mode == "lockstep_join";
+  if (mode == "lockstep" || joined || alternate) {
     DdpOptions options;
     if (const char* cap = std::getenv("BENCH_BUCKET_CAP_MB")) {
       options.bucket_cap_mb(std::atof(cap));
@@ -70,6 +73,12 @@ void run(World& world, ModelType model, const std::string& model_name,
                                     : lockstep::bench::deterministic_batch(input_shape);
   std::vector<double> times;
   std::vector<double> detail_times;
+  // What a join guard costs when every rank has the same batches: one
+  // agreement per forward.
+  std::optional<JoinGuard> join;
+  if (joined) {
+    join.emplace(ddp->join());
+  }
   for (int i = 0; i < warmup + iterations; ++i) {
     if (i == warmup) {
       world.barrier();
@@ -95,6 +104,9 @@ void run(World& world, ModelType model, const std::string& model_name,
                          std::chrono::steady_clock::now() - start)
                          .count());
     }
+  }
+  if (join) {
+    join->finish();
   }
   report(world, model_name, alternate ? "lockstep_ab" : mode, times);
   if (alternate) {
@@ -130,6 +142,10 @@ int main(int argc, char** argv) {
     run(world, Mlp(model == "mlp_const"), model, mode, {1024}, iterations, warmup);
   } else if (model == "cnn" || model == "cnn_bn") {
     run(world, Cnn(model == "cnn_bn"), model, mode, {1, 28, 28}, iterations, warmup);
+  } else if (model == "cnn_syncbn") {
+    Cnn cnn(/*batch_norm=*/true);
+    convert_sync_batchnorm(*cnn, world);
+    run(world, cnn, model, mode, {1, 28, 28}, iterations, warmup);
   } else if (model == "emb_sparse" || model == "emb_dense") {
     run(world, Recommender(model == "emb_sparse"), model, mode, {}, iterations, warmup);
   } else {

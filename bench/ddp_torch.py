@@ -4,6 +4,8 @@ line on rank 0.
 
     python3 ddp_torch.py MODEL [ITERATIONS] [WARMUP]
 """
+import contextlib
+import os
 import resource
 import statistics
 import sys
@@ -104,21 +106,25 @@ def main():
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
     x, y = deterministic_ids() if shape is None else deterministic_batch(shape)
     times = []
-    for i in range(warmup + iterations):
-        if i == warmup:
-            dist.barrier()
-        start = time.perf_counter()
-        optimizer.zero_grad()
-        F.cross_entropy(ddp(x), y).backward()
-        optimizer.step()
-        if i >= warmup:
-            times.append((time.perf_counter() - start) * 1e3)
+    # BENCH_TORCH_JOIN=1: the loop inside ddp.join(), every rank with the same batches.
+    joined = os.environ.get("BENCH_TORCH_JOIN") == "1"
+    with ddp.join() if joined else contextlib.nullcontext():
+        for i in range(warmup + iterations):
+            if i == warmup:
+                dist.barrier()
+            start = time.perf_counter()
+            optimizer.zero_grad()
+            F.cross_entropy(ddp(x), y).backward()
+            optimizer.step()
+            if i >= warmup:
+                times.append((time.perf_counter() - start) * 1e3)
     median = torch.tensor([statistics.median(times)], dtype=torch.float64)
     rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64)
     dist.all_reduce(median, op=dist.ReduceOp.MAX)
     dist.all_reduce(rss, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
-        print(f"{name},pytorch,{median.item():.2f},{rss.item():.0f}", flush=True)
+        mode = "pytorch_join" if joined else "pytorch"
+        print(f"{name},{mode},{median.item():.2f},{rss.item():.0f}", flush=True)
     dist.destroy_process_group()
 
 

@@ -55,6 +55,10 @@ def main():
                      f" | {ms_of('lockstep') / ms_of('single'):.2f}x"
                      f" | {ms_of('lockstep_gloo') / ms_of('pytorch'):.2f}x |")
     lines += ["", "![bar chart](bench-ddp.png)", "",
+              "The MNIST CNN + BatchNorm with lockstep's SyncBatchNorm instead (PyTorch 1.13 has",
+              "none on CPU), and what a join guard costs: [bench-join-syncbn.md](bench-join-syncbn.md),",
+              "by `bench/run-join-syncbn`.",
+              "",
               "## What the diagnostics cost",
               "",
               "`LOCKSTEP_DEBUG=DETAIL` makes the ranks compare every collective in the job's ledger",

@@ -237,6 +237,17 @@ TEST(JoinErrors, EarlyTerminationNamesTheRanksThatRanOutOnEveryRank) {
   });
 }
 
+TEST(JoinErrors, AModelWithSyncBatchNormIsRefused) {
+  run_ranks(2, [](int) {
+    World world = init();
+    auto model = torch::nn::Sequential(torch::nn::Linear(4, 4), torch::nn::BatchNorm1d(4));
+    convert_sync_batchnorm(*model, world);
+    DDP<torch::nn::Sequential> ddp(model, world);
+    expect_error<UsageError>([&] { auto join = ddp.join(); },
+                             {"a join guard cannot keep a model with SyncBatchNorm in step"});
+  });
+}
+
 TEST(JoinErrors, WithoutAGuardARankThatRanOutIsNamed) {
   // What uneven batches do without a join guard: a named error at once,
   // not a hang (early_finish_test.cpp covers it further).

@@ -91,6 +91,13 @@ TEST(MnistJob, MissingDataSaysWhereItLookedAndHowToGetIt) {
   EXPECT_TRUE(contains(result.output, "Run scripts/setup")) << result.output;
 }
 
+TEST(MnistJob, UnevenWithSyncBatchNormIsRefusedBeforeTraining) {
+  auto result = run_process({MNIST_TRAIN_BINARY, "--uneven", "--sync-bn"});
+  EXPECT_EQ(result.exit_code, 2) << result.output;
+  EXPECT_TRUE(contains(result.output, "--uneven and --sync-bn do not go together"))
+      << result.output;
+}
+
 TEST(MnistJob, HelpPrintsTheUsage) {
   auto result = run_process({MNIST_TRAIN_BINARY, "--help"});
   EXPECT_EQ(result.exit_code, 0) << result.output;

@@ -26,6 +26,9 @@ inline const char* const kUsage = R"(usage: mnist_train [flags]
   --max-steps N          at most N steps per epoch (for quick runs)
   --threads N            intra-op threads per rank (default 1)
   --save-parameters FILE rank 0 writes the final parameters as raw bytes (for tests)
+  --batch-norm           BatchNorm after each convolution
+  --sync-bn              BatchNorm over the global batch (lockstep::SyncBatchNorm)
+  --uneven               rank r trains on (10 - r) tenths of its shard, inside ddp.join()
   --help                 this text
 )";
 
@@ -46,6 +49,9 @@ struct Flags {
   int64_t max_steps = 0;
   int threads = 1;
   std::string save_parameters;
+  bool batch_norm = false;
+  bool sync_bn = false;
+  bool uneven = false;
   bool help = false;
 };
 
@@ -92,11 +98,21 @@ inline Flags parse_flags(int argc, char** argv) {
       flags.threads = static_cast<int>(std::max<int64_t>(1, number()));
     } else if (arg == "--save-parameters") {
       flags.save_parameters = value();
+    } else if (arg == "--batch-norm") {
+      flags.batch_norm = true;
+    } else if (arg == "--sync-bn") {
+      flags.batch_norm = flags.sync_bn = true;
+    } else if (arg == "--uneven") {
+      flags.uneven = true;
     } else if (arg == "--help" || arg == "-h") {
       flags.help = true;
     } else {
       throw FlagError("unknown flag '" + arg + "'");
     }
+  }
+  if (flags.uneven && flags.sync_bn) {
+    throw FlagError("--uneven and --sync-bn do not go together: SyncBatchNorm communicates in "
+                    "every forward, which a rank that ran out of batches cannot run");
   }
   return flags;
 }

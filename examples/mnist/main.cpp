@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
+#include <optional>
 #include <string>
 
 #include <torch/torch.h>
@@ -26,18 +27,28 @@
 namespace {
 
 struct NetImpl : torch::nn::Module {
-  NetImpl()
+  explicit NetImpl(bool batch_norm)
       : conv1(register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 32, 3)))),
         conv2(register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(32, 64, 3)))),
         fc1(register_module("fc1", torch::nn::Linear(9216, 128))),
-        fc2(register_module("fc2", torch::nn::Linear(128, 10))) {}
+        fc2(register_module("fc2", torch::nn::Linear(128, 10))) {
+    if (batch_norm) {
+      // In Sequentials, so that convert_sync_batchnorm can replace them.
+      norm1 = register_module("norm1", torch::nn::Sequential(torch::nn::BatchNorm2d(32)));
+      norm2 = register_module("norm2", torch::nn::Sequential(torch::nn::BatchNorm2d(64)));
+    }
+  }
   torch::Tensor forward(torch::Tensor x) {
-    x = torch::relu(conv2(torch::relu(conv1(x))));
+    x = conv1(x);
+    x = torch::relu(norm1 ? norm1->forward(x) : x);
+    x = conv2(x);
+    x = torch::relu(norm2 ? norm2->forward(x) : x);
     x = torch::max_pool2d(x, 2).flatten(1);
     return torch::log_softmax(fc2(torch::relu(fc1(x))), 1);
   }
   torch::nn::Conv2d conv1, conv2;
   torch::nn::Linear fc1, fc2;
+  torch::nn::Sequential norm1{nullptr}, norm2{nullptr};
 };
 TORCH_MODULE(Net);
 
@@ -129,7 +140,10 @@ int run(const mnist::Flags& flags) {
     std::fflush(stdout);
   }
   torch::manual_seed(flags.seed);
-  Net model;
+  Net model(flags.batch_norm);
+  if (flags.sync_bn) {
+    lockstep::convert_sync_batchnorm(*model, world);
+  }
   lockstep::DDP<Net> ddp(model, world);
   torch::optim::SGD optimizer(
       model->parameters(), torch::optim::SGDOptions(flags.lr).momentum(0.9));
@@ -161,12 +175,20 @@ int run(const mnist::Flags& flags) {
     if (flags.max_steps > 0) {
       steps = std::min(steps, flags.max_steps);
     }
+    if (flags.uneven) {
+      // Ranks that run out shadow the others inside the join guard below.
+      steps = std::max<int64_t>(1, steps * std::max(1, 10 - world.rank()) / 10);
+    }
     auto loader = torch::data::make_data_loader(
         train, std::move(sampler),
         torch::data::DataLoaderOptions().batch_size(flags.batch_size));
     auto epoch_start = Clock::now();
     int64_t step = 0;
     int64_t epoch_images = 0;
+    std::optional<lockstep::JoinGuard> join;
+    if (flags.uneven) {
+      join.emplace(ddp.join(lockstep::JoinOptions().optimizers({&optimizer})));
+    }
     for (auto& batch : *loader) {
       if (step == steps) {
         break;
@@ -191,6 +213,14 @@ int run(const mnist::Flags& flags) {
     }
     if (terminal) {
       std::printf("\n");
+    }
+    if (join) {
+      join->finish();
+      if (lead) {
+        std::printf("epoch %lld: every rank finished its batches (rank 0 had %lld, the most); "
+                    "replicas joined\n", static_cast<long long>(epoch),
+                    static_cast<long long>(steps));
+      }
     }
     accuracy = test_accuracy(world, model, flags.data);
     if (lead) {

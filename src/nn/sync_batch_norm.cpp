@@ -71,46 +71,58 @@ GlobalStatistics gather_statistics(World& world, const at::Tensor& input) {
   return global;
 }
 
+// The input gradient of the global normalisation, per channel c with
+// s = invstd, w the weight, m1 = mean of dy and m2 = mean of dy * (x - mean)
+// over the global batch:
+//   dx = dy * w s - w s m1 - (x - mean) * w s^3 m2
+// computed in two fused passes: BatchNorm's own eval-mode kernel applied to
+// x gives the last two terms (an affine map of x per channel), and addcmul
+// adds the first. The local sums come from BatchNorm's backward kernel,
+// which, handed the global mean and invstd, returns sum(dy * (x - mean)) * s
+// and sum(dy) in one pass.
 class SyncBatchNormBackward : public torch::autograd::Node {
  public:
   SyncBatchNormBackward(World world, at::Tensor input, at::Tensor weight, at::Tensor mean,
-                        at::Tensor invstd, int64_t count)
+                        at::Tensor var, at::Tensor invstd, int64_t count, double eps)
       : world_(std::move(world)),
         input_(std::move(input)),
         weight_(std::move(weight)),
         mean_(std::move(mean)),
+        var_(std::move(var)),
         invstd_(std::move(invstd)),
-        count_(count) {}
+        count_(count),
+        eps_(eps) {}
 
   variable_list apply(variable_list&& grads) override {
     at::NoGradGuard no_grad;
-    int64_t dim = input_.dim();
     int64_t channels = input_.size(1);
-    auto shape = channel_shape(dim, channels);
-    auto dims = reduced_dims(dim);
-    auto dy = grads[0].defined() ? grads[0] : at::zeros_like(input_);
-    auto xmu = input_ - mean_.view(shape);
-    auto sum_dy = dy.sum(dims);
-    auto sum_dy_xmu = (dy * xmu).sum(dims);
+    auto dy = grads[0].defined() ? grads[0].contiguous() : at::zeros_like(input_);
+    at::Tensor dy_xhat = at::zeros({channels}, input_.options());
+    at::Tensor sum_dy = at::zeros({channels}, input_.options());
+    if (input_.numel() > 0) { // the kernel divides by the batch's size
+      std::tie(std::ignore, dy_xhat, sum_dy) = at::native_batch_norm_backward(
+          dy, input_, weight_, c10::nullopt, c10::nullopt, mean_, invstd_, /*train=*/true, eps_,
+          {false, true, true});
+    }
     // Every rank runs this all-reduce, whatever it needs: the ranks' graphs
     // are alike, and the next collective must be the same everywhere.
-    auto sums = at::cat({sum_dy, sum_dy_xmu}).to(at::kDouble);
+    auto sums = at::cat({sum_dy, dy_xhat / invstd_}).to(at::kDouble);
     world_.all_reduce_async(sums, ReduceOp::Sum,
                             detail::str("SyncBatchNorm gradient sums of ", channels,
                                         " channels"))
         .wait();
     variable_list out(3);
     if (should_compute_output(0)) {
-      auto mean_dy = (sums.narrow(0, 0, channels) / count_).to(input_.scalar_type());
-      auto mean_dy_xmu =
-          (sums.narrow(0, channels, channels) / count_).to(input_.scalar_type());
+      auto dtype = input_.scalar_type();
+      auto mean_dy = (sums.narrow(0, 0, channels) / count_).to(dtype);
+      auto mean_dy_xmu = (sums.narrow(0, channels, channels) / count_).to(dtype);
       auto scale = weight_.defined() ? invstd_ * weight_ : invstd_;
-      out[0] = (dy - mean_dy.view(shape) -
-                xmu * (invstd_ * invstd_ * mean_dy_xmu).view(shape)) *
-          scale.view(shape);
+      auto dx = at::batch_norm(input_, -scale * invstd_ * mean_dy_xmu, -scale * mean_dy, mean_,
+                               var_, /*training=*/false, 0.0, eps_, /*cudnn_enabled=*/false);
+      out[0] = dx.addcmul_(dy, scale.view(channel_shape(input_.dim(), channels)));
     }
     if (should_compute_output(1)) {
-      out[1] = sum_dy_xmu * invstd_;
+      out[1] = dy_xhat;
     }
     if (should_compute_output(2)) {
       out[2] = sum_dy;
@@ -128,8 +140,10 @@ class SyncBatchNormBackward : public torch::autograd::Node {
   at::Tensor input_;
   at::Tensor weight_;
   at::Tensor mean_;
+  at::Tensor var_;
   at::Tensor invstd_;
   int64_t count_;
+  double eps_;
 };
 
 } // namespace
@@ -251,23 +265,21 @@ torch::Tensor SyncBatchNormImpl::forward(const torch::Tensor& input) {
   }
   auto dtype = input.scalar_type();
   auto mean = global.mean.to(dtype);
+  auto var = global.var.to(dtype);
   auto invstd = (global.var + options.eps()).rsqrt().to(dtype);
-  auto shape = channel_shape(input.dim(), input.size(1));
   at::Tensor output;
   {
+    // BatchNorm's fused eval-mode kernel, with the global statistics.
     at::NoGradGuard no_grad;
-    auto scale = weight.defined() ? invstd * weight : invstd;
-    output = (input - mean.view(shape)) * scale.view(shape);
-    if (bias.defined()) {
-      output = output + bias.view(shape);
-    }
+    output = at::batch_norm(input, weight, bias, mean, var, /*training=*/false, 0.0,
+                            options.eps(), /*cudnn_enabled=*/false);
   }
   if (at::GradMode::is_enabled() &&
       torch::autograd::compute_requires_grad(input, weight, bias)) {
     auto node = std::shared_ptr<SyncBatchNormBackward>(
         new SyncBatchNormBackward(world, input.detach(),
-                                  weight.defined() ? weight.detach() : at::Tensor(), mean,
-                                  invstd, global.count),
+                                  weight.defined() ? weight.detach() : at::Tensor(), mean, var,
+                                  invstd, global.count, options.eps()),
         torch::autograd::deleteNode);
     node->set_next_edges(torch::autograd::collect_next_edges(input, weight, bias));
     torch::autograd::set_history(output, node);

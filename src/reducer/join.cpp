@@ -103,6 +103,12 @@ int Reducer::State::gradient_divisor() const {
 void Reducer::enter_join(const JoinOptions& options) {
   auto& state = *state_;
   std::lock_guard<std::mutex> lock(state.mutex);
+  LOCKSTEP_ENFORCE(
+      !state.communicates_in_forward, UsageError, "a join guard cannot keep a model with "
+      "SyncBatchNorm in step: SyncBatchNorm communicates in every forward and backward, and a "
+      "rank that ran out of batches has no forward to run (with PyTorch, such a job hangs). "
+      "Give every rank the same number of batches, or use BatchNorm, whose buffers the guard "
+      "keeps in step.");
   LOCKSTEP_ENFORCE(!state.joining, UsageError,
                    "a join guard is already active for this DistributedDataParallel; "
                    "one guard around the training loop is enough.");

@@ -94,6 +94,10 @@ Reducer::Reducer(torch::nn::Module& module, World world, DdpOptions options)
     state.buffer_versions.push_back(buffer._version());
   }
   state.buffer_in_step = buffers_in_step(module, state.buffers);
+  for (const auto& item : module.named_modules()) {
+    state.communicates_in_forward |=
+        dynamic_cast<const SyncBatchNormImpl*>(item.value().get()) != nullptr;
+  }
 
   state.used_since_sync.assign(state.params.size(), 0);
   state.active_ranks = state.world.size();

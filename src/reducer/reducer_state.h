@@ -57,6 +57,9 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   // Buffers that every rank updates alike (SyncBatchNorm's statistics of
   // the global batch): never broadcast after construction, always compared.
   std::vector<char> buffer_in_step;
+  // Whether the module holds a SyncBatchNorm, which communicates in forward
+  // and backward by itself.
+  bool communicates_in_forward = false;
   // Every parameter (trainable or not) and every buffer, by name, for
   // check_replicas.
   std::vector<NamedTensor> all_params;
