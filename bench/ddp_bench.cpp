@@ -13,7 +13,9 @@
 //          one process so that the machine's drift cancels out) |
 //          lockstep_join (lockstep inside a join guard, every rank with the
 //          same batches: what the guard's agreement costs)
-// BENCH_BUCKET_CAP_MB overrides lockstep's bucket cap, to explore its effect.
+// BENCH_BUCKET_CAP_MB overrides lockstep's bucket cap, to explore its effect;
+// BENCH_HOOK registers a communication hook (the mode gets its name, and
+// rank 0 prints the bytes of the last iteration to stderr).
 
 #include <sys/resource.h>
 
@@ -68,6 +70,21 @@ void run(World& world, ModelType model, const std::string& model_name,
     }
     ddp.emplace(model, world, options);
   }
+  // BENCH_HOOK=fp16|bf16|powersgd:R: lockstep with that communication hook
+  // (PowerSGD from the 3rd iteration, within the warm-up).
+  std::string hook_name = std::getenv("BENCH_HOOK") ? std::getenv("BENCH_HOOK") : "";
+  std::optional<PowerSGD> power_sgd;
+  if (ddp && !hook_name.empty()) {
+    if (hook_name == "fp16") {
+      ddp->register_comm_hook(hooks::fp16_compress());
+    } else if (hook_name == "bf16") {
+      ddp->register_comm_hook(hooks::bf16_compress());
+    } else {
+      int64_t r = std::atoll(hook_name.substr(hook_name.find(':') + 1).c_str());
+      power_sgd.emplace(PowerSGDOptions().matrix_approximation_rank(r).start_powerSGD_iter(2));
+      ddp->register_comm_hook(power_sgd->hook());
+    }
+  }
   torch::optim::SGD optimizer(model->parameters(), 1e-4);
   auto [x, y] = input_shape.empty() ? lockstep::bench::deterministic_ids()
                                     : lockstep::bench::deterministic_batch(input_shape);
@@ -108,7 +125,15 @@ void run(World& world, ModelType model, const std::string& model_name,
   if (join) {
     join->finish();
   }
-  report(world, model_name, alternate ? "lockstep_ab" : mode, times);
+  std::string reported = alternate ? "lockstep_ab" : mode;
+  if (!hook_name.empty()) {
+    reported += "_" + hook_name.substr(0, hook_name.find(':'));
+    if (world.rank() == 0) {
+      std::fprintf(stderr, "bytes,%s,%s,%lld\n", model_name.c_str(), reported.c_str(),
+                   static_cast<long long>(ddp->stats().last.bytes_reduced));
+    }
+  }
+  report(world, model_name, reported, times);
   if (alternate) {
     report(world, model_name, "lockstep_detail", detail_times);
   }

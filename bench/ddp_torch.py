@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 
 class Mlp(nn.Module):
@@ -103,6 +104,16 @@ def main():
         model, shape = Cnn(name == "cnn_bn"), (1, 28, 28)
     deterministic_init(model)
     ddp = nn.parallel.DistributedDataParallel(model)
+    # BENCH_TORCH_HOOK=fp16|bf16|powersgd:R: PyTorch's hook of that name.
+    hook = os.environ.get("BENCH_TORCH_HOOK", "")
+    if hook == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif hook == "bf16":
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    elif hook.startswith("powersgd"):
+        state = powerSGD_hook.PowerSGDState(
+            None, matrix_approximation_rank=int(hook.split(":")[1]), start_powerSGD_iter=2)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
     x, y = deterministic_ids() if shape is None else deterministic_batch(shape)
     times = []
@@ -124,6 +135,8 @@ def main():
     dist.all_reduce(rss, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
         mode = "pytorch_join" if joined else "pytorch"
+        if hook:
+            mode += "_" + hook.split(":")[0]
         print(f"{name},{mode},{median.item():.2f},{rss.item():.0f}", flush=True)
     dist.destroy_process_group()
 

@@ -189,6 +189,12 @@ TEST(Checkpoint, SeveralModelsAndOptimizersLiveInOneFile) {
     expect_error<CheckpointError>(
         [&] { CheckpointItems().module("twice", *critic).module("twice", *critic); },
         {"two modules named 'twice' in one checkpoint; give each its own name."});
+    PowerSGD power_sgd(PowerSGDOptions().start_powerSGD_iter(2));
+    expect_error<CheckpointError>(
+        [&] {
+          load_checkpoint(world, path, CheckpointItems().hook_state("powersgd", power_sgd));
+        },
+        {"gan.pt holds no hook state named 'powersgd': its hook states are none."});
   });
   EXPECT_TRUE(result.ok()) << result.report();
 }

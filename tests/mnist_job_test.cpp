@@ -124,26 +124,32 @@ TEST(MnistJob, ACheckpointPathThatIsAFolderFailsBeforeTraining) {
 // way). Gloo's ring at 3 ranks and more sums in an order that follows the
 // bucket's chunk boundaries, and the first iteration after a resume runs on
 // the construction layout before the rebuild: docs/guide.md says so.
-class ExactResume : public ::testing::TestWithParam<std::tuple<int, std::string>> {};
+// With PowerSGD, whose state (error feedback of each rank, warm-start
+// matrices) travels in the checkpoint.
+class ExactResume
+    : public ::testing::TestWithParam<std::tuple<int, std::string, std::string>> {};
 
 TEST_P(ExactResume, AfterAnEpochIsBitwiseExact) {
-  auto [ranks, transport] = GetParam();
+  auto [ranks, transport, hook] = GetParam();
   ScratchFolder scratch("mnist");
   Environment env{{"LOCKSTEP_TRANSPORT", transport}};
   std::vector<std::string> launcher{"--nproc-per-node", std::to_string(ranks)};
   auto whole = run_process(
       under_launcher(launcher,
-                     job({"--epochs", "2", "--save-parameters", scratch / "uninterrupted.bin"})),
+                     job({"--epochs", "2", "--save-parameters", scratch / "uninterrupted.bin",
+                          "--comm-hook", hook})),
       env);
   ASSERT_TRUE(whole.ok()) << whole.output;
 
   auto first = run_process(
-      under_launcher(launcher, job({"--epochs", "1", "--checkpoint-dir", scratch / "checkpoints"})),
+      under_launcher(launcher, job({"--epochs", "1", "--checkpoint-dir", scratch / "checkpoints",
+                                    "--comm-hook", hook})),
       env);
   ASSERT_TRUE(first.ok()) << first.output;
   auto second = run_process(
       under_launcher(launcher, job({"--epochs", "2", "--checkpoint-dir", scratch / "checkpoints",
-                                    "--resume", "--save-parameters", scratch / "resumed.bin"})),
+                                    "--resume", "--save-parameters", scratch / "resumed.bin",
+                                    "--comm-hook", hook})),
       env);
   ASSERT_TRUE(second.ok()) << second.output;
   EXPECT_TRUE(contains(second.output, "resumed from")) << second.output;
@@ -156,10 +162,14 @@ TEST_P(ExactResume, AfterAnEpochIsBitwiseExact) {
 
 INSTANTIATE_TEST_SUITE_P(
     MnistJob, ExactResume,
-    ::testing::Values(std::make_tuple(2, std::string("shm")), std::make_tuple(3, std::string("shm")),
-                      std::make_tuple(2, std::string("gloo"))),
+    ::testing::Values(std::make_tuple(2, std::string("shm"), std::string("none")),
+                      std::make_tuple(3, std::string("shm"), std::string("none")),
+                      std::make_tuple(2, std::string("gloo"), std::string("none")),
+                      std::make_tuple(2, std::string("shm"), std::string("powersgd:2"))),
     [](const auto& info) {
-      return std::to_string(std::get<0>(info.param)) + "_ranks_" + std::get<1>(info.param);
+      std::string hook = std::get<2>(info.param);
+      return std::to_string(std::get<0>(info.param)) + "_ranks_" + std::get<1>(info.param) +
+          (hook == "none" ? "" : "_powersgd");
     });
 
 TEST(MnistJob, ARankKilledMidEpochIsRestartedFromTheCheckpoint) {

@@ -29,6 +29,8 @@ inline const char* const kUsage = R"(usage: mnist_train [flags]
   --batch-norm           BatchNorm after each convolution
   --sync-bn              BatchNorm over the global batch (lockstep::SyncBatchNorm)
   --uneven               rank r trains on (10 - r) tenths of its shard, inside ddp.join()
+  --comm-hook HOOK       none | fp16 | bf16 | powersgd[:RANK] (PowerSGD from step 10, rank 1
+                         unless given)
   --help                 this text
 )";
 
@@ -52,6 +54,8 @@ struct Flags {
   bool batch_norm = false;
   bool sync_bn = false;
   bool uneven = false;
+  std::string comm_hook = "none";
+  int64_t powersgd_rank = 1;
   bool help = false;
 };
 
@@ -104,6 +108,17 @@ inline Flags parse_flags(int argc, char** argv) {
       flags.batch_norm = flags.sync_bn = true;
     } else if (arg == "--uneven") {
       flags.uneven = true;
+    } else if (arg == "--comm-hook") {
+      std::string hook = value();
+      flags.comm_hook = hook.substr(0, hook.find(':'));
+      if (flags.comm_hook == "powersgd" && hook.find(':') != std::string::npos) {
+        flags.powersgd_rank = std::atoll(hook.substr(hook.find(':') + 1).c_str());
+      }
+      if ((flags.comm_hook != "none" && flags.comm_hook != "fp16" && flags.comm_hook != "bf16" &&
+           flags.comm_hook != "powersgd") ||
+          flags.powersgd_rank < 1 || (flags.comm_hook != "powersgd" && hook.find(':') != std::string::npos)) {
+        throw FlagError("--comm-hook takes none, fp16, bf16 or powersgd[:RANK], not '" + hook + "'");
+      }
     } else if (arg == "--help" || arg == "-h") {
       flags.help = true;
     } else {

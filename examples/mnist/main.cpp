@@ -145,12 +145,28 @@ int run(const mnist::Flags& flags) {
     lockstep::convert_sync_batchnorm(*model, world);
   }
   lockstep::DDP<Net> ddp(model, world);
+  std::optional<lockstep::PowerSGD> power_sgd;
+  if (flags.comm_hook == "fp16") {
+    ddp.register_comm_hook(lockstep::hooks::fp16_compress());
+  } else if (flags.comm_hook == "bf16") {
+    ddp.register_comm_hook(lockstep::hooks::bf16_compress());
+  } else if (flags.comm_hook == "powersgd") {
+    power_sgd.emplace(lockstep::PowerSGDOptions()
+                          .matrix_approximation_rank(flags.powersgd_rank)
+                          .start_powerSGD_iter(10));
+    ddp.register_comm_hook(power_sgd->hook());
+  }
   torch::optim::SGD optimizer(
       model->parameters(), torch::optim::SGDOptions(flags.lr).momentum(0.9));
+  lockstep::CheckpointItems saved;
+  saved.module("model", *model).optimizer("optimizer", optimizer);
+  if (power_sgd) {
+    saved.hook_state("powersgd", *power_sgd);
+  }
 
   int64_t first_epoch = 1;
   if (flags.resume && !checkpoint.empty() && lockstep::checkpoint_exists(checkpoint)) {
-    auto extra = lockstep::load_checkpoint(world, checkpoint, *model, optimizer);
+    auto extra = lockstep::load_checkpoint(world, checkpoint, saved);
     first_epoch = extra.epoch + 1;
     if (lead) {
       std::printf("resumed from %s after epoch %lld (test accuracy then %.2f%%)\n",
@@ -233,7 +249,7 @@ int run(const mnist::Flags& flags) {
       extra.epoch = epoch;
       extra.step = step;
       extra.values["test_accuracy"] = accuracy;
-      lockstep::save_checkpoint(world, checkpoint, *model, optimizer, extra);
+      lockstep::save_checkpoint(world, checkpoint, saved, extra);
     }
   }
   double wall = seconds_since(start);

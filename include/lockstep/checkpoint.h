@@ -23,6 +23,8 @@ class Optimizer;
 
 namespace lockstep {
 
+class PowerSGD;
+
 /// What a checkpoint carries beside the model and the optimizer.
 struct CheckpointExtra {
   int64_t epoch = 0;
@@ -57,6 +59,10 @@ class CheckpointItems {
  public:
   CheckpointItems& module(const std::string& name, torch::nn::Module& module);
   CheckpointItems& optimizer(const std::string& name, torch::optim::Optimizer& optimizer);
+  /// A communication hook's state (PowerSGD: its iteration, the warm-start
+  /// matrices and each rank's own error feedback, gathered into the file),
+  /// so that a resume continues exactly where the run stopped.
+  CheckpointItems& hook_state(const std::string& name, PowerSGD& state);
 
   const std::vector<std::pair<std::string, torch::nn::Module*>>& modules() const {
     return modules_;
@@ -64,10 +70,14 @@ class CheckpointItems {
   const std::vector<std::pair<std::string, torch::optim::Optimizer*>>& optimizers() const {
     return optimizers_;
   }
+  const std::vector<std::pair<std::string, PowerSGD*>>& hook_states() const {
+    return hook_states_;
+  }
 
  private:
   std::vector<std::pair<std::string, torch::nn::Module*>> modules_;
   std::vector<std::pair<std::string, torch::optim::Optimizer*>> optimizers_;
+  std::vector<std::pair<std::string, PowerSGD*>> hook_states_;
 };
 
 /// Collective. Rank 0 writes the items' parameters, buffers and optimizer

@@ -152,6 +152,13 @@ class DistributedDataParallel {
     return NoSyncGuard(reducer_);
   }
 
+  /// Before the first forward, on every rank: each bucket's gradients
+  /// travel through `hook` (comm_hook.h), for example
+  /// lockstep::hooks::fp16_compress().
+  void register_comm_hook(CommHook hook) {
+    reducer_->register_comm_hook(std::move(hook));
+  }
+
   /// `auto join = ddp.join();` around the training loop lets ranks hold
   /// different numbers of batches (see join.h).
   [[nodiscard]] JoinGuard join(const JoinOptions& options = {}) {

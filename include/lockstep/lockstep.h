@@ -3,12 +3,14 @@
 // Umbrella header: everything a training program needs from lockstep.
 
 #include <lockstep/checkpoint.h>
+#include <lockstep/comm_hook.h>
 #include <lockstep/ddp.h>
 #include <lockstep/ddp_options.h>
 #include <lockstep/ddp_stats.h>
 #include <lockstep/debug_level.h>
 #include <lockstep/error.h>
 #include <lockstep/join.h>
+#include <lockstep/power_sgd.h>
 #include <lockstep/sync_batch_norm.h>
 #include <lockstep/timeline.h>
 #include <lockstep/world.h>

@@ -2,6 +2,7 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cstring>
 #include <iostream>
 #include <sstream>
@@ -61,19 +62,55 @@ CheckpointItems& CheckpointItems::optimizer(const std::string& name,
   return *this;
 }
 
+CheckpointItems& CheckpointItems::hook_state(const std::string& name, PowerSGD& state) {
+  for (const auto& item : hook_states_) {
+    LOCKSTEP_ENFORCE(item.first != name, CheckpointError, "two hook states named '", name,
+                     "' in one checkpoint; give each its own name.");
+  }
+  LOCKSTEP_ENFORCE(!name.empty() && name.find('\n') == std::string::npos, CheckpointError,
+                   "a checkpoint item needs a name of one line, not '", name, "'.");
+  hook_states_.emplace_back(name, &state);
+  return *this;
+}
+
+namespace {
+
+// Each rank's bytes, on every rank (an all-gather of the sizes, then of the
+// bytes padded to the largest).
+std::vector<at::Tensor> gather_bytes(World& world, const std::string& bytes) {
+  auto sizes = world.all_gather(at::tensor({static_cast<int64_t>(bytes.size())}, at::kLong));
+  int64_t widest = 0;
+  for (const auto& size : sizes) {
+    widest = std::max(widest, size.item<int64_t>());
+  }
+  auto mine = at::zeros({widest}, at::kByte);
+  std::memcpy(mine.data_ptr(), bytes.data(), bytes.size());
+  auto all = world.all_gather(mine);
+  for (size_t rank = 0; rank < all.size(); ++rank) {
+    all[rank] = all[rank].narrow(0, 0, sizes[rank].item<int64_t>());
+  }
+  return all;
+}
+
+} // namespace
+
 void save_checkpoint(
     World& world,
     const std::string& path,
     const CheckpointItems& items,
     const CheckpointExtra& extra) {
   // Every rank's random stream, so that each resumes its own (dropout
-  // masks, noise and augmentations differ by rank).
+  // masks, noise and augmentations differ by rank), and its hook states.
   auto states = world.all_gather(at::detail::getDefaultCPUGenerator().get_state());
+  std::vector<at::Tensor> hook_states;
+  if (!items.hook_states().empty()) {
+    hook_states = gather_bytes(world, detail::serialize_hook_states(items));
+  }
   std::string error;
   if (world.rank() == 0) {
     try {
       detail::write_checkpoint_file(
-          path, {world.size(), detail::serialize_checkpoint(items, extra, states)});
+          path, {world.size(), detail::serialize_checkpoint(items, extra, states, hook_states)});
     } catch (const std::exception& e) {
       error = detail::describe_exception(e);
     }
@@ -110,7 +147,8 @@ CheckpointExtra load_checkpoint(
   if (error.empty()) {
     try {
       auto file = detail::parse_checkpoint_bytes(bytes, path);
-      restored = detail::restore_checkpoint(path, file.payload, items, world.rank());
+      restored = detail::restore_checkpoint(path, file.payload, items, world.rank(),
+                                            world.size());
       restored.extra.world_size = file.world_size;
     } catch (const std::exception& e) {
       error = detail::describe_exception(e);

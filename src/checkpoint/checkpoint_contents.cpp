@@ -6,6 +6,8 @@
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
+
+#include <lockstep/power_sgd.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
@@ -110,9 +112,22 @@ std::vector<std::string> names(const Items& items) {
 
 } // namespace
 
+std::string serialize_hook_states(const CheckpointItems& items) {
+  torch::serialize::OutputArchive archive;
+  for (const auto& [name, state] : items.hook_states()) {
+    torch::serialize::OutputArchive item;
+    state->save(item);
+    archive.write(name, item);
+  }
+  std::ostringstream out;
+  archive.save_to(out);
+  return out.str();
+}
+
 std::string serialize_checkpoint(const CheckpointItems& items,
                                  const CheckpointExtra& extra,
-                                 const std::vector<at::Tensor>& generator_states) {
+                                 const std::vector<at::Tensor>& generator_states,
+                                 const std::vector<at::Tensor>& hook_states) {
   torch::serialize::OutputArchive archive;
   archive.write("format", c10::IValue(kFormat));
   archive.write("modules", c10::IValue(join(names(items.modules()))));
@@ -139,15 +154,55 @@ std::string serialize_checkpoint(const CheckpointItems& items,
   for (size_t rank = 0; rank < generator_states.size(); ++rank) {
     archive.write("rng/" + std::to_string(rank), generator_states[rank]);
   }
+  archive.write("hooks", c10::IValue(join(names(items.hook_states()))));
+  for (size_t rank = 0; rank < hook_states.size(); ++rank) {
+    archive.write("hooks/" + std::to_string(rank), hook_states[rank]);
+  }
   std::ostringstream out;
   archive.save_to(out);
   return out.str();
 }
 
+namespace {
+
+// Each hook state from this rank's part of the file; at another world size,
+// from rank 0's, without its error feedback.
+void restore_hook_states(torch::serialize::InputArchive& archive, const std::string& path,
+                         const CheckpointItems& items, int rank, int world_size,
+                         int64_t saved_ranks) {
+  c10::IValue value;
+  std::vector<std::string> saved;
+  if (archive.try_read("hooks", value)) {
+    saved = lines_of(value.toStringRef());
+  }
+  expect_names(saved, names(items.hook_states()), "hook state", path);
+  if (items.hook_states().empty()) {
+    return;
+  }
+  bool same_world = saved_ranks == world_size;
+  at::Tensor bytes;
+  archive.read("hooks/" + std::to_string(same_world ? rank : 0), bytes);
+  torch::serialize::InputArchive states;
+  std::istringstream in(std::string(static_cast<const char*>(bytes.data_ptr()),
+                                    static_cast<size_t>(bytes.numel())));
+  states.load_from(in);
+  for (const auto& [name, state] : items.hook_states()) {
+    torch::serialize::InputArchive item;
+    states.read(name, item);
+    state->load(item);
+    if (!same_world) {
+      state->reset_error_feedback();
+    }
+  }
+}
+
+} // namespace
+
 RestoredCheckpoint restore_checkpoint(const std::string& path,
                                       const std::string& payload,
                                       const CheckpointItems& items,
-                                      int rank) {
+                                      int rank,
+                                      int world_size) {
   torch::serialize::InputArchive archive;
   std::istringstream in(payload);
   archive.load_from(in);
@@ -171,6 +226,7 @@ RestoredCheckpoint restore_checkpoint(const std::string& path,
     if (rank < restored.generator_ranks) {
       archive.read("rng/" + std::to_string(rank), restored.generator_state);
     }
+    restore_hook_states(archive, path, items, rank, world_size, restored.generator_ranks);
   } else {
     // The first layout: one module and one optimizer, rank 0's generator.
     LOCKSTEP_ENFORCE(items.modules().size() == 1 && items.optimizers().size() <= 1,

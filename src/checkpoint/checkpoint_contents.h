@@ -14,10 +14,16 @@
 
 namespace lockstep::detail {
 
-/// The payload of the items, `extra`, and `generator_states` (one per rank).
+/// The payload of the items, `extra`, `generator_states` (one per rank) and
+/// `hook_states` (one per rank, as serialize_hook_states made them; none
+/// when the items hold no hook state).
 std::string serialize_checkpoint(const CheckpointItems& items,
                                  const CheckpointExtra& extra,
-                                 const std::vector<at::Tensor>& generator_states);
+                                 const std::vector<at::Tensor>& generator_states,
+                                 const std::vector<at::Tensor>& hook_states);
+
+/// This rank's hook states, as bytes.
+std::string serialize_hook_states(const CheckpointItems& items);
 
 struct RestoredCheckpoint {
   CheckpointExtra extra;
@@ -34,6 +40,7 @@ struct RestoredCheckpoint {
 RestoredCheckpoint restore_checkpoint(const std::string& path,
                                       const std::string& payload,
                                       const CheckpointItems& items,
-                                      int rank);
+                                      int rank,
+                                      int world_size);
 
 } // namespace lockstep::detail

@@ -116,6 +116,7 @@ void Reducer::State::open_iteration(int64_t forward, bool sync) {
   }
   next_launch = 0;
   in_flight.assign(buckets.size(), std::nullopt);
+  hooked.assign(buckets.size(), nullptr);
   in_flight_what.assign(buckets.size(), "");
   launch_ms.assign(buckets.size(), 0.0);
   bucket_first.assign(buckets.size(), Clock::time_point{});
@@ -178,13 +179,17 @@ void Reducer::State::launch_ready_buckets(bool include_last) {
     bucket_launch[next_launch] = Clock::now();
     launch_ms[next_launch] = ms_between(first_gradient, bucket_launch[next_launch]);
     in_flight_what[next_launch] = str(
-        "all_reduce of ", describe_bucket(next_launch),
+        comm_hook ? "" : "all_reduce of ", describe_bucket(next_launch),
         backward_of_forward > 0
             ? str(" in the backward of forward ", backward_of_forward)
             : std::string(" in a backward that bypassed the wrapper"));
-    in_flight[next_launch] = world.all_reduce_async(
-        bucket.buffer(), ReduceOp::Sum, in_flight_what[next_launch]);
-    stats.last.bytes_reduced += bucket.bytes();
+    if (comm_hook) {
+      launch_through_hook(next_launch);
+    } else {
+      in_flight[next_launch] = world.all_reduce_async(
+          bucket.buffer(), ReduceOp::Sum, in_flight_what[next_launch]);
+      stats.last.bytes_reduced += bucket.bytes();
+    }
     ++next_launch;
   }
 }
@@ -223,23 +228,15 @@ void Reducer::State::finalize() {
   reduce_sparse_gradients();
 
   auto wait_start = Clock::now();
-  for (auto& work : in_flight) {
-    work->wait();
-  }
+  std::vector<double> global_flags = wait_for_buckets();
   auto wait_end = Clock::now();
 
-  std::vector<double> global_flags;
   int64_t ranks_with_problems = 0;
   bool trainable_changed = false;
-  for (const auto& bucket : buckets) {
-    auto flags = bucket.flags().to(at::kDouble);
-    auto* data = flags.data_ptr<double>();
-    global_flags.insert(global_flags.end(), data, data + flags.numel());
-  }
   if (!buckets.empty()) {
-    auto extras = buckets.back().extras().to(at::kDouble);
-    ranks_with_problems = static_cast<int64_t>(extras[kProblems].item<double>());
-    trainable_changed = extras[kTrainableChanged].item<double>() > 0;
+    const double* extras = global_flags.data() + global_flags.size() - kExtraCount;
+    ranks_with_problems = static_cast<int64_t>(extras[kProblems]);
+    trainable_changed = extras[kTrainableChanged] > 0;
   }
   if (ranks_with_problems > 0) {
     raise_problems_everywhere(ranks_with_problems);
@@ -311,7 +308,8 @@ void Reducer::State::record_timeline(Clock::time_point wait_start,
     if (bucket_launch[b] - bucket_ready[b] > std::chrono::microseconds(50)) {
       timeline::record(track, "queued", bucket_ready[b], bucket_launch[b], args);
     }
-    timeline::record(track, "all_reduce", bucket_launch[b], in_flight[b]->completed_at(), args);
+    auto done = in_flight[b] ? in_flight[b]->completed_at() : wait_end;
+    timeline::record(track, comm_hook ? "hook" : "all_reduce", bucket_launch[b], done, args);
   }
   timeline::flush();
 }
@@ -346,7 +344,9 @@ void Reducer::State::write_back(const std::vector<double>& global_flags) {
   at::NoGradGuard no_grad;
   size_t flag = 0;
   for (auto& bucket : buckets) {
-    bucket.gradients().div_(gradient_divisor());
+    if (!comm_hook) {
+      bucket.gradients().div_(gradient_divisor()); // a hook returns the average
+    }
     for (size_t k = 0; k < bucket.members().size(); ++k, ++flag) {
       if (global_flags[flag] == 0) {
         continue; // used by no rank: its gradient stays as it was

@@ -263,6 +263,22 @@ void Reducer::State::sync_buffers_as_configured() {
   }
 }
 
+void Reducer::register_comm_hook(CommHook hook) {
+  auto& state = *state_;
+  std::lock_guard<std::mutex> lock(state.mutex);
+  LOCKSTEP_ENFORCE(hook != nullptr, UsageError, "register_comm_hook needs a hook; "
+                   "lockstep::hooks::allreduce() is what the wrapper does without one.");
+  LOCKSTEP_ENFORCE(
+      state.forwards == 0 && state.iteration == 0, UsageError, "register_comm_hook must "
+      "come before the first forward, on every rank (this one comes after ", state.forwards,
+      " forward(s) and ", state.iteration, " synchronised backward(s)): the ranks must agree "
+      "on how every bucket travels from the first iteration on.");
+  LOCKSTEP_ENFORCE(!state.comm_hook, UsageError, "a communication hook is already registered; "
+                   "one per DistributedDataParallel, as in PyTorch. Compose hooks in one "
+                   "instead.");
+  state.comm_hook = std::move(hook);
+}
+
 void Reducer::check_replicas(ReplicaCheck what) {
   std::lock_guard<std::mutex> lock(state_->mutex);
   state_->check_replicas(what);
@@ -306,8 +322,10 @@ void Reducer::State::broadcast_buffers() {
   if (apart.empty()) {
     return;
   }
+  // Named after their rank only inside a join guard, where it may not be 0.
   broadcast_from(world, buffer_root, apart,
-                 str("rank ", buffer_root, "'s buffers before forward ", forwards + 1));
+                 str(buffer_root == 0 ? std::string("the") : str("rank ", buffer_root, "'s"),
+                     " buffers before forward ", forwards + 1));
   for (size_t i = 0; i < buffers.size(); ++i) {
     buffer_versions[i] = buffers[i]._version();
   }

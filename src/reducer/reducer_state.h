@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include <lockstep/comm_hook.h>
 #include <lockstep/detail/reducer.h>
 
 #include "reducer/bucket.h"
@@ -101,6 +102,10 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   std::vector<size_t> pending;
   size_t next_launch = 0;
   std::vector<std::optional<PendingCollective>> in_flight;
+  // With a communication hook: each bucket's future, and the exact lane
+  // that carries every bucket's flags and the extras instead.
+  CommHook comm_hook;
+  std::vector<BucketFuture> hooked;
   std::vector<double> launch_ms;
   // What each bucket's all-reduce is, as named in errors and the timeline
   // (kept: the first iteration ends by relaying the buckets).
@@ -159,6 +164,11 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   void open_iteration(int64_t forward, bool sync);
   void mark_ready(size_t index, bool used);
   void launch_ready_buckets(bool include_last);
+  /// Hands bucket `b` to the communication hook.
+  void launch_through_hook(size_t b);
+  /// Waits for the buckets' reductions; returns every bucket's flags and
+  /// then the extras, summed over ranks.
+  std::vector<double> wait_for_buckets();
   void finalize();
   void raise_problems_everywhere(int64_t ranks_with_problems);
   void write_back(const std::vector<double>& global_flags);

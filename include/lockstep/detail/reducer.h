@@ -9,6 +9,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <lockstep/comm_hook.h>
 #include <lockstep/ddp_options.h>
 #include <lockstep/ddp_stats.h>
 #include <lockstep/join.h>
@@ -47,6 +48,9 @@ class Reducer {
 
   /// Collective: every rank takes rank 0's buffers now.
   void sync_buffers();
+
+  /// Before the first forward: buckets travel through `hook`.
+  void register_comm_hook(CommHook hook);
 
   /// Uneven inputs (join.h): from now on, each forward agrees on which
   /// ranks still train.

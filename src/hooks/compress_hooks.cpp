@@ -1,0 +1,76 @@
+// The built-in communication hooks: plain all-reduce, and the 16-bit
+// compressions. A 16-bit tensor travels as 16 bits and is summed in float32:
+// the shared-memory transport reduces 16-bit slices in float32 in place;
+// over Gloo, which adds float16 element by element and has no bfloat16 sum
+// at all in LibTorch 1.13, the ranks all-gather the 16-bit tensors and each
+// sums them in float32 in rank order, so every rank computes the same bits.
+
+#include <lockstep/comm_hook.h>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <lockstep/error.h>
+
+namespace lockstep::hooks {
+namespace {
+
+bool reduces_16_bit_in_float(const World& world) {
+  return world.transport().rfind("Gloo", 0) != 0;
+}
+
+CommHook compress_to(at::ScalarType wire) {
+  return [wire](GradBucket& bucket) -> BucketFuture {
+    at::NoGradGuard no_grad;
+    World world = bucket.world;
+    int n = world.size();
+    // Divided first, as PyTorch's hook does: the sum of n averages cannot
+    // overflow where the sum of n gradients might.
+    auto compressed = bucket.gradients.div(n).to(wire);
+    auto gradients = bucket.gradients;
+    bucket.bytes_sent = compressed.nbytes();
+    std::string what = detail::str(c10::toString(wire), " all-reduce of ", bucket.description);
+    if (reduces_16_bit_in_float(world)) {
+      auto work = world.all_reduce_async(compressed, ReduceOp::Sum, what);
+      return [work, compressed, gradients]() mutable {
+        work.wait();
+        return gradients.copy_(compressed);
+      };
+    }
+    return [world, compressed, gradients]() mutable {
+      auto parts = world.all_gather(compressed);
+      auto sum = parts[0].to(at::kFloat);
+      for (size_t rank = 1; rank < parts.size(); ++rank) {
+        sum.add_(parts[rank]);
+      }
+      return gradients.copy_(sum.to(compressed.scalar_type()));
+    };
+  };
+}
+
+} // namespace
+
+CommHook allreduce() {
+  return [](GradBucket& bucket) -> BucketFuture {
+    auto gradients = bucket.gradients;
+    int n = bucket.world.size();
+    bucket.bytes_sent = gradients.nbytes();
+    auto work = bucket.world.all_reduce_async(gradients, ReduceOp::Sum,
+                                              "all_reduce of " + bucket.description);
+    return [work, gradients, n]() mutable {
+      work.wait();
+      at::NoGradGuard no_grad;
+      return gradients.div_(n);
+    };
+  };
+}
+
+CommHook fp16_compress() {
+  return compress_to(at::kHalf);
+}
+
+CommHook bf16_compress() {
+  return compress_to(at::kBFloat16);
+}
+
+} // namespace lockstep::hooks

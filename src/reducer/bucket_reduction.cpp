@@ -1,0 +1,89 @@
+// How the buckets of an iteration are reduced. Without a hook, each bucket
+// is all-reduced whole, its "used" flags (and, in the last one, the extras)
+// riding after the gradients: no collective of their own. With a hook, the
+// hook gets the gradients alone, which it may compress; the flags and the
+// extras, which must stay exact, travel in one small float64 all-reduce
+// (the exact lane), started once the last bucket has left so that it runs
+// while the hooks' communication completes.
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include "reducer/reducer_state.h"
+
+namespace lockstep::detail {
+
+void Reducer::State::launch_through_hook(size_t b) {
+  const auto& bucket = buckets[b];
+  GradBucket view{b, b + 1 == buckets.size(), bucket.gradients(), {}, {}, {}, world,
+                  describe_bucket(b)};
+  int64_t offset = 0;
+  for (size_t index : bucket.members()) {
+    view.parameters.push_back(params[index]);
+    view.offsets.push_back(offset);
+    view.parameter_indices.push_back(static_cast<int64_t>(index));
+    offset += params[index].numel();
+  }
+  try {
+    hooked[b] = comm_hook(view);
+    stats.last.bytes_reduced += view.bytes_sent >= 0 ? view.bytes_sent : bucket.gradients().nbytes();
+  } catch (const std::exception& e) {
+    LOCKSTEP_FAIL(UsageError, "rank ", world.rank(), ": the communication hook failed on ",
+                  in_flight_what[b], ": ", e.what());
+  }
+  LOCKSTEP_ENFORCE(hooked[b] != nullptr, UsageError, "rank ", world.rank(),
+                   ": the communication hook returned no future for ", in_flight_what[b], ".");
+}
+
+std::vector<double> Reducer::State::wait_for_buckets() {
+  std::vector<double> sums;
+  if (!comm_hook) {
+    for (auto& work : in_flight) {
+      work->wait();
+    }
+    for (const auto& bucket : buckets) {
+      auto flags = bucket.flags().to(at::kDouble);
+      sums.insert(sums.end(), flags.data_ptr<double>(), flags.data_ptr<double>() + flags.numel());
+    }
+    if (!buckets.empty()) {
+      auto extras = buckets.back().extras().to(at::kDouble);
+      sums.insert(sums.end(), extras.data_ptr<double>(),
+                  extras.data_ptr<double>() + extras.numel());
+    }
+    return sums;
+  }
+  std::vector<at::Tensor> parts;
+  for (const auto& bucket : buckets) {
+    parts.push_back(bucket.flags().to(at::kDouble));
+  }
+  if (!buckets.empty()) {
+    parts.push_back(buckets.back().extras().to(at::kDouble));
+  }
+  auto lane = at::cat(parts);
+  auto lane_work = world.all_reduce_async(
+      lane, ReduceOp::Sum, str("the used flags of iteration ", iteration, " (", lane.numel(),
+                              " values beside the hook's buckets)"));
+  at::NoGradGuard no_grad;
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    at::Tensor average;
+    try {
+      average = hooked[b]();
+    } catch (const std::exception& e) {
+      LOCKSTEP_FAIL(UsageError, "rank ", world.rank(), ": the communication hook's future "
+                    "failed for ", in_flight_what[b], ": ", e.what());
+    }
+    auto gradients = buckets[b].gradients();
+    LOCKSTEP_ENFORCE(average.defined() && average.numel() == gradients.numel(), UsageError,
+                     "rank ", world.rank(), ": the communication hook returned ",
+                     average.defined() ? str(average.numel(), " values") : "nothing", " for ",
+                     in_flight_what[b], ", which holds ", gradients.numel(), ".");
+    if (!average.is_same(gradients)) {
+      gradients.copy_(average.reshape({-1}));
+    }
+  }
+  lane_work.wait();
+  sums.assign(lane.data_ptr<double>(), lane.data_ptr<double>() + lane.numel());
+  return sums;
+}
+
+} // namespace lockstep::detail
