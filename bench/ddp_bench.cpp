@@ -70,12 +70,14 @@ void run(World& world, ModelType model, const std::string& model_name,
     }
     ddp.emplace(model, world, options);
   }
-  // BENCH_HOOK=fp16|bf16|powersgd:R: lockstep with that communication hook
+  // BENCH_HOOK=allreduce|fp16|bf16|powersgd:R: lockstep with that communication hook
   // (PowerSGD from the 3rd iteration, within the warm-up).
   std::string hook_name = std::getenv("BENCH_HOOK") ? std::getenv("BENCH_HOOK") : "";
   std::optional<PowerSGD> power_sgd;
   if (ddp && !hook_name.empty()) {
-    if (hook_name == "fp16") {
+    if (hook_name == "allreduce") {
+      ddp->register_comm_hook(hooks::allreduce());
+    } else if (hook_name == "fp16") {
       ddp->register_comm_hook(hooks::fp16_compress());
     } else if (hook_name == "bf16") {
       ddp->register_comm_hook(hooks::bf16_compress());

@@ -39,37 +39,35 @@ void agree(World& world, const std::string& my_error, const std::string& what) {
 
 } // namespace
 
-CheckpointItems& CheckpointItems::module(const std::string& name, torch::nn::Module& module) {
-  for (const auto& item : modules_) {
-    LOCKSTEP_ENFORCE(item.first != name, CheckpointError, "two modules named '", name,
+namespace {
+
+template <typename Item>
+void add_item(std::vector<std::pair<std::string, Item*>>& items, const char* kind,
+              const std::string& name, Item& item) {
+  for (const auto& entry : items) {
+    LOCKSTEP_ENFORCE(entry.first != name, CheckpointError, "two ", kind, "s named '", name,
                      "' in one checkpoint; give each its own name.");
   }
   LOCKSTEP_ENFORCE(!name.empty() && name.find('\n') == std::string::npos, CheckpointError,
                    "a checkpoint item needs a name of one line, not '", name, "'.");
-  modules_.emplace_back(name, &module);
+  items.emplace_back(name, &item);
+}
+
+} // namespace
+
+CheckpointItems& CheckpointItems::module(const std::string& name, torch::nn::Module& module) {
+  add_item(modules_, "module", name, module);
   return *this;
 }
 
 CheckpointItems& CheckpointItems::optimizer(const std::string& name,
                                             torch::optim::Optimizer& optimizer) {
-  for (const auto& item : optimizers_) {
-    LOCKSTEP_ENFORCE(item.first != name, CheckpointError, "two optimizers named '", name,
-                     "' in one checkpoint; give each its own name.");
-  }
-  LOCKSTEP_ENFORCE(!name.empty() && name.find('\n') == std::string::npos, CheckpointError,
-                   "a checkpoint item needs a name of one line, not '", name, "'.");
-  optimizers_.emplace_back(name, &optimizer);
+  add_item(optimizers_, "optimizer", name, optimizer);
   return *this;
 }
 
 CheckpointItems& CheckpointItems::hook_state(const std::string& name, PowerSGD& state) {
-  for (const auto& item : hook_states_) {
-    LOCKSTEP_ENFORCE(item.first != name, CheckpointError, "two hook states named '", name,
-                     "' in one checkpoint; give each its own name.");
-  }
-  LOCKSTEP_ENFORCE(!name.empty() && name.find('\n') == std::string::npos, CheckpointError,
-                   "a checkpoint item needs a name of one line, not '", name, "'.");
-  hook_states_.emplace_back(name, &state);
+  add_item(hook_states_, "hook state", name, state);
   return *this;
 }
 

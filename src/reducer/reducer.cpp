@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <iostream>
-#include <set>
 #include <sstream>
 #include <unordered_set>
 
@@ -14,8 +13,6 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/embedding.h>
-
-#include <lockstep/sync_batch_norm.h>
 
 #include "reducer/graph_walk.h"
 #include "reducer/model_state.h"
@@ -30,22 +27,6 @@ std::string mib(int64_t bytes) {
   out.precision(bytes < (1 << 20) ? 3 : 1);
   out << std::fixed << static_cast<double>(bytes) / (1 << 20) << " MiB";
   return out.str();
-}
-
-std::vector<char> buffers_in_step(torch::nn::Module& module,
-                                  const std::vector<at::Tensor>& buffers) {
-  std::vector<char> in_step(buffers.size(), 0);
-  for (const auto& item : module.named_modules()) {
-    if (dynamic_cast<const SyncBatchNormImpl*>(item.value().get()) == nullptr) {
-      continue;
-    }
-    for (const auto& buffer : item.value()->buffers(/*recurse=*/false)) {
-      for (size_t i = 0; i < buffers.size(); ++i) {
-        in_step[i] = in_step[i] || buffers[i].is_same(buffer);
-      }
-    }
-  }
-  return in_step;
 }
 
 } // namespace
@@ -93,11 +74,7 @@ Reducer::Reducer(torch::nn::Module& module, World world, DdpOptions options)
   for (const auto& buffer : state.buffers) {
     state.buffer_versions.push_back(buffer._version());
   }
-  state.buffer_in_step = buffers_in_step(module, state.buffers);
-  for (const auto& item : module.named_modules()) {
-    state.communicates_in_forward |=
-        dynamic_cast<const SyncBatchNormImpl*>(item.value().get()) != nullptr;
-  }
+  state.find_buffers_in_step(module);
 
   state.used_since_sync.assign(state.params.size(), 0);
   state.active_ranks = state.world.size();
@@ -245,24 +222,6 @@ void Reducer::before_forward() {
   }
 }
 
-void Reducer::State::sync_buffers_as_configured() {
-  bool broadcast = false;
-  switch (options.broadcast_buffers()) {
-    case BufferSync::Always:
-      broadcast = true;
-      break;
-    case BufferSync::Never:
-      break;
-    case BufferSync::WhenChanged:
-      broadcast = std::count(buffer_in_step.begin(), buffer_in_step.end(), 0) > 0 &&
-          buffers_changed_anywhere();
-      break;
-  }
-  if (broadcast) {
-    broadcast_buffers();
-  }
-}
-
 void Reducer::register_comm_hook(CommHook hook) {
   auto& state = *state_;
   std::lock_guard<std::mutex> lock(state.mutex);
@@ -277,82 +236,6 @@ void Reducer::register_comm_hook(CommHook hook) {
                    "one per DistributedDataParallel, as in PyTorch. Compose hooks in one "
                    "instead.");
   state.comm_hook = std::move(hook);
-}
-
-void Reducer::check_replicas(ReplicaCheck what) {
-  std::lock_guard<std::mutex> lock(state_->mutex);
-  state_->check_replicas(what);
-}
-
-void Reducer::sync_buffers() {
-  std::lock_guard<std::mutex> lock(state_->mutex);
-  state_->broadcast_buffers();
-}
-
-void Reducer::State::check_replicas(ReplicaCheck what) {
-  std::vector<ReplicaEntry> state;
-  for (const auto& entry : all_params) {
-    state.push_back({entry, /*buffer=*/false, /*changed_here=*/false});
-  }
-  if (what == ReplicaCheck::All && options.broadcast_buffers() != BufferSync::Never) {
-    // A module's buffers move together, and not every kernel counts its
-    // writes (BatchNorm's running statistics do not; its batch count does):
-    // a buffer counts as changed when any buffer of its module changed.
-    auto owner = [](const std::string& name) { return name.substr(0, name.rfind('.') + 1); };
-    std::set<std::string> changed_owners;
-    for (size_t i = 0; i < named_buffers.size(); ++i) {
-      if (!buffer_in_step[i] && named_buffers[i].tensor._version() != buffer_versions[i]) {
-        changed_owners.insert(owner(named_buffers[i].name));
-      }
-    }
-    for (const auto& buffer : named_buffers) {
-      state.push_back({buffer, /*buffer=*/true, changed_owners.count(owner(buffer.name)) > 0});
-    }
-  }
-  check_replicas_agree(world, state);
-}
-
-void Reducer::State::broadcast_buffers() {
-  std::vector<at::Tensor> apart;
-  for (size_t i = 0; i < buffers.size(); ++i) {
-    if (!buffer_in_step[i]) {
-      apart.push_back(buffers[i]);
-    }
-  }
-  if (apart.empty()) {
-    return;
-  }
-  // Named after their rank only inside a join guard, where it may not be 0.
-  broadcast_from(world, buffer_root, apart,
-                 str(buffer_root == 0 ? std::string("the") : str("rank ", buffer_root, "'s"),
-                     " buffers before forward ", forwards + 1));
-  for (size_t i = 0; i < buffers.size(); ++i) {
-    buffer_versions[i] = buffers[i]._version();
-  }
-  stats.last.buffer_broadcasts += 1;
-  stats.total.buffer_broadcasts += 1;
-}
-
-bool Reducer::State::buffers_changed_anywhere() {
-  // A few bytes agreed by every rank, so that every rank decides alike; the
-  // buffers themselves travel only when one changed, wherever that was
-  // (a forward's running statistics, or an edit between forwards).
-  auto changed = at::full({1}, buffers_changed_locally() ? 1 : 0, at::kInt);
-  world.all_reduce_async(changed, ReduceOp::Sum,
-                         str("agreement on changed buffers before forward ", forwards + 1))
-      .wait();
-  stats.last.buffer_agreements += 1;
-  stats.total.buffer_agreements += 1;
-  return changed.item<int>() > 0;
-}
-
-bool Reducer::State::buffers_changed_locally() const {
-  for (size_t i = 0; i < buffers.size(); ++i) {
-    if (!buffer_in_step[i] && buffers[i]._version() != buffer_versions[i]) {
-      return true;
-    }
-  }
-  return false;
 }
 
 void Reducer::after_forward(const std::vector<at::Tensor>& outputs) {
