@@ -7,6 +7,9 @@
 
 #include <lockstep/comm_hook.h>
 
+#include <map>
+#include <memory>
+
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
@@ -20,17 +23,27 @@ bool reduces_16_bit_in_float(const World& world) {
 }
 
 CommHook compress_to(at::ScalarType wire) {
-  return [wire](GradBucket& bucket) -> BucketFuture {
+  // Per bucket, the 16-bit tensor that travels: with shared memory, in the
+  // segment (World::allocate, once per bucket and size, on every rank
+  // alike), so that it is reduced in place.
+  auto wires = std::make_shared<std::map<size_t, at::Tensor>>();
+  return [wire, wires](GradBucket& bucket) -> BucketFuture {
     at::NoGradGuard no_grad;
     World world = bucket.world;
     int n = world.size();
-    // Divided first, as PyTorch's hook does: the sum of n averages cannot
-    // overflow where the sum of n gradients might.
-    auto compressed = bucket.gradients.div(n).to(wire);
     auto gradients = bucket.gradients;
+    bool in_place = reduces_16_bit_in_float(world);
+    auto& compressed = (*wires)[bucket.index];
+    if (!compressed.defined() || compressed.numel() != gradients.numel()) {
+      compressed = in_place ? world.allocate(gradients.numel(), wire)
+                            : at::empty({gradients.numel()}, gradients.options().dtype(wire));
+    }
+    // Divided first, as PyTorch's hook does: the sum of n averages cannot
+    // overflow where the sum of n gradients might. One pass, rounded once.
+    at::div_out(compressed, gradients, at::scalar_tensor(n, gradients.options()));
     bucket.bytes_sent = compressed.nbytes();
     std::string what = detail::str(c10::toString(wire), " all-reduce of ", bucket.description);
-    if (reduces_16_bit_in_float(world)) {
+    if (in_place) {
       auto work = world.all_reduce_async(compressed, ReduceOp::Sum, what);
       return [work, compressed, gradients]() mutable {
         work.wait();
