@@ -53,6 +53,14 @@ DdpOptions small_buckets() {
   return DdpOptions().bucket_cap_mb(0.001).first_bucket_cap_mb(0.001);
 }
 
+std::vector<torch::Tensor> gradients_of(torch::nn::Module& module) {
+  std::vector<torch::Tensor> grads;
+  for (const auto& p : module.parameters()) {
+    grads.push_back(p.grad().clone());
+  }
+  return grads;
+}
+
 TEST_P(CommHooks, AHookSeesEveryBucketOnceInOrderAndItsResultIsTheGradients) {
   run([](int rank) {
     World world = init();
@@ -228,16 +236,8 @@ TEST_P(CommHooks, SixteenBitCompressionIsTheAverageWithinTheFormatsRounding) {
         auto [e, f] = mine(part);
         torch::mse_loss(local(e), f).backward();
       }
-      std::vector<torch::Tensor> hooked_grads;
-      for (const auto& p : model->parameters()) {
-        hooked_grads.push_back(p.grad());
-      }
-      auto hooked = flatten(hooked_grads);
-      std::vector<torch::Tensor> local_grads;
-      for (const auto& p : local->parameters()) {
-        local_grads.push_back(p.grad());
-      }
-      expect_within_16_bit_rounding(world, hooked, flatten(local_grads), bits, name);
+      auto hooked = flatten(gradients_of(*model));
+      expect_within_16_bit_rounding(world, hooked, flatten(gradients_of(*local)), bits, name);
       expect_same_on_every_rank(world, hooked, std::string(name) + " gradients");
     }
   });
@@ -249,12 +249,42 @@ TEST_P(CommHooks, SixteenBitCompressionIsTheAverageWithinTheFormatsRounding) {
 namespace lockstep::testing {
 namespace {
 
-std::vector<torch::Tensor> gradients_of(torch::nn::Module& module) {
-  std::vector<torch::Tensor> grads;
-  for (const auto& p : module.parameters()) {
-    grads.push_back(p.grad().clone());
-  }
-  return grads;
+TEST_P(CommHooks, AWrapperSendsWhatTheInnerHookSendsAtSixteenBits) {
+  run([](int rank) {
+    World world = init();
+    for (auto [name, hook, bits] :
+         {std::tuple{"fp16 wrapper", hooks::fp16_wrapper(hooks::allreduce()), 11},
+          {"bf16 wrapper", hooks::bf16_wrapper(hooks::allreduce()), 8}}) {
+      torch::manual_seed(9);
+      Mlp model;
+      torch::manual_seed(9);
+      Mlp local;
+      DDP<Mlp> ddp(model, world, small_buckets());
+      ddp.register_comm_hook(hook);
+      auto [x, y] = global_batch(0, 4 * world.size(), {20});
+      auto rows = x.narrow(0, 4 * rank, 4);
+      auto targets = y.narrow(0, 4 * rank, 4);
+      torch::mse_loss(ddp(rows), targets).backward();
+      torch::mse_loss(local(rows), targets).backward();
+      auto hooked = flatten(gradients_of(*model));
+      EXPECT_EQ(ddp.stats().last.bytes_reduced, hooked.numel() * 2) << name;
+      // The sum of the rounded gradients, rounded, then divided: within the
+      // same bound as the compressing hooks (the division is exact or one
+      // more rounding of the same size).
+      expect_within_16_bit_rounding(world, hooked, flatten(gradients_of(*local)), bits - 1, name);
+      expect_same_on_every_rank(world, hooked, name);
+    }
+    // A PowerSGD inside a bfloat16 wrapper runs too (bfloat16 products).
+    PowerSGD power_sgd(PowerSGDOptions().start_powerSGD_iter(2));
+    Mlp model;
+    DDP<Mlp> ddp(model, world);
+    ddp.register_comm_hook(hooks::bf16_wrapper(power_sgd.hook()));
+    for (int step = 0; step < 3; ++step) {
+      auto [x, y] = global_batch(step, 4 * world.size(), {20});
+      torch::mse_loss(ddp(x.narrow(0, 4 * rank, 4)), y.narrow(0, 4 * rank, 4)).backward();
+    }
+    expect_same_on_every_rank(world, flatten(gradients_of(*model)), "bf16-wrapped PowerSGD");
+  });
 }
 
 TEST_P(CommHooks, PowerSGDIsAllReduceBeforeItsStartAndKeepsReplicasIdenticalAfter) {

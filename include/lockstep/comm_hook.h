@@ -78,5 +78,14 @@ CommHook fp16_compress();
 /// in LibTorch 1.13 cannot reduce at all.
 CommHook bf16_compress();
 
+/// Runs `inner` on the bucket's gradients rounded to float16 (or bfloat16),
+/// and turns its result back into the gradients' dtype: what `inner` sends,
+/// it sends at 16 bits. PyTorch's fp16_compress_wrapper and
+/// bf16_compress_wrapper. `inner` must handle the 16-bit dtype (PowerSGD
+/// does in bfloat16; CPU matrix products in float16 are not in LibTorch
+/// 1.13).
+CommHook fp16_wrapper(CommHook inner);
+CommHook bf16_wrapper(CommHook inner);
+
 } // namespace hooks
 } // namespace lockstep

@@ -59,7 +59,8 @@ class JoinGuard {
   /// ranks' iterations until every rank has called it, then overwrites this
   /// rank's parameters and buffers with those of the last rank to finish
   /// (the lowest-numbered of them), and the state of
-  /// JoinOptions::optimizers, so that the replicas are identical again. Raises under throw_on_early_termination when another rank still
+  /// JoinOptions::optimizers, so that the replicas are identical again.
+  /// Raises under throw_on_early_termination when another rank still
   /// trains. Called by the destructor if not before.
   void finish();
 

@@ -61,7 +61,32 @@ CommHook compress_to(at::ScalarType wire) {
   };
 }
 
+CommHook wrap_in(at::ScalarType wire, CommHook inner) {
+  LOCKSTEP_ENFORCE(inner != nullptr, UsageError, "a compression wrapper needs a hook to wrap.");
+  return [wire, inner = std::move(inner)](GradBucket& bucket) -> BucketFuture {
+    at::NoGradGuard no_grad;
+    auto gradients = bucket.gradients;
+    GradBucket compressed = bucket;
+    compressed.gradients = gradients.to(wire);
+    auto future = inner(compressed);
+    bucket.bytes_sent = compressed.bytes_sent >= 0 ? compressed.bytes_sent
+                                                   : compressed.gradients.nbytes();
+    return [future, gradients]() mutable {
+      at::NoGradGuard no_grad;
+      return gradients.copy_(future().reshape({-1}));
+    };
+  };
+}
+
 } // namespace
+
+CommHook fp16_wrapper(CommHook inner) {
+  return wrap_in(at::kHalf, std::move(inner));
+}
+
+CommHook bf16_wrapper(CommHook inner) {
+  return wrap_in(at::kBFloat16, std::move(inner));
+}
 
 CommHook allreduce() {
   return [](GradBucket& bucket) -> BucketFuture {

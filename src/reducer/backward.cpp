@@ -16,43 +16,43 @@ namespace lockstep::detail {
 
 void Reducer::State::on_forward_reached(int64_t forward, bool sync) {
   std::lock_guard<std::mutex> lock(mutex);
-  if (!iteration_open) {
+  if (!backward.open) {
     open_iteration(forward, sync);
   }
 }
 
 void Reducer::State::on_gradient(size_t index) {
   std::lock_guard<std::mutex> lock(mutex);
-  if (!iteration_open) {
+  if (!backward.open) {
     int64_t forward = std::exchange(unhooked_forward, 0);
     open_iteration(forward, forward > 0 ? unhooked_sync : sync_enabled);
   }
-  used_now[index] = 1;
-  if (!iteration_sync) {
+  backward.used_now[index] = 1;
+  if (!backward.sync) {
     used_since_sync[index] = 1;
     return;
   }
   if (static_used && !(*static_used)[index]) {
-    problems.push_back(str(
+    backward.problems.push_back(str(
         "parameter '", names[index], "' got a gradient in iteration ",
         iteration, " but not in the first one, which static_graph froze."));
   }
-  if (ready[index]) {
+  if (backward.ready[index]) {
     // The graph walk of find_unused_parameters judged it unused, yet the
     // loss reached it. While its bucket has not left, the gradient still
     // gets in; once it has, that is a problem to report.
-    if (next_launch > bucket_of[index]) {
-      problems.push_back(str(
+    if (backward.next_launch > layout.bucket_of[index]) {
+      backward.problems.push_back(str(
           "parameter '", names[index], "' got a gradient after "
           "find_unused_parameters judged it unused: the loss reaches it "
           "through a tensor that is not among the forward's outputs. Return "
           "that tensor from forward, or turn find_unused_parameters off."));
       return;
     }
-    ready[index] = 0;
-    ++pending[bucket_of[index]];
+    backward.ready[index] = 0;
+    ++backward.pending[layout.bucket_of[index]];
   }
-  ready_order.push_back(index);
+  backward.ready_order.push_back(index);
   if (!sparse[index]) {
     mark_ready(index, /*used=*/true);
   }
@@ -79,13 +79,13 @@ void Reducer::State::open_iteration(int64_t forward, bool sync) {
         "instead, or set DdpOptions().bypass(Bypass::Ignore) to keep such "
         "gradients local or Bypass::Error to make this an error. Shown once.");
   }
-  iteration_open = true;
-  iteration_sync = bypassed ? options.bypass() != Bypass::Ignore && sync : sync;
+  backward.open = true;
+  backward.sync = bypassed ? options.bypass() != Bypass::Ignore && sync : sync;
   // Queued on the graph task that runs now: the backward of the loss, which
   // reached the forward's outputs before any parameter; a nested backward
   // (a reentrant checkpoint) inside it ends before it, and is part of it.
   // A shadowed iteration has no backward: join.cpp finalizes it.
-  if (!shadowing) {
+  if (!backward.shadowing) {
     std::weak_ptr<State> weak = shared_from_this();
     torch::autograd::Engine::get_default_engine().queue_callback([weak] {
       if (auto state = weak.lock()) {
@@ -93,35 +93,35 @@ void Reducer::State::open_iteration(int64_t forward, bool sync) {
       }
     });
   }
-  used_now.assign(params.size(), 0);
-  first_gradient = Clock::now();
-  if (!iteration_sync) {
+  backward.used_now.assign(params.size(), 0);
+  backward.first_gradient = Clock::now();
+  if (!backward.sync) {
     return;
   }
   ++iteration;
-  backward_of_forward = forward;
+  backward.of_forward = forward;
   // The first backward of the forward just timed counts from its end; any
   // other from its first gradient, with figures of its own.
-  backward_from_forward_end = forward > 0 && forward == forwards && forward != timed_forward;
+  backward.from_forward_end = forward > 0 && forward == forwards && forward != timed_forward;
   timed_forward = forward;
-  if (!backward_from_forward_end) {
+  if (!backward.from_forward_end) {
     stats.last = IterationStats{};
   }
-  ready.assign(params.size(), 0);
-  ready_order.clear();
-  problems.clear();
-  pending.clear();
-  for (const auto& bucket : buckets) {
-    pending.push_back(bucket.members().size());
+  backward.ready.assign(params.size(), 0);
+  backward.ready_order.clear();
+  backward.problems.clear();
+  backward.pending.clear();
+  for (const auto& bucket : layout.buckets) {
+    backward.pending.push_back(bucket.members().size());
   }
-  next_launch = 0;
-  in_flight.assign(buckets.size(), std::nullopt);
-  hooked.assign(buckets.size(), nullptr);
-  in_flight_what.assign(buckets.size(), "");
-  launch_ms.assign(buckets.size(), 0.0);
-  bucket_first.assign(buckets.size(), Clock::time_point{});
-  bucket_ready.assign(buckets.size(), Clock::time_point{});
-  bucket_launch.assign(buckets.size(), Clock::time_point{});
+  backward.next_launch = 0;
+  backward.in_flight.assign(layout.buckets.size(), std::nullopt);
+  backward.hooked.assign(layout.buckets.size(), nullptr);
+  backward.in_flight_what.assign(layout.buckets.size(), "");
+  times.launch_ms.assign(layout.buckets.size(), 0.0);
+  times.bucket_first.assign(layout.buckets.size(), Clock::time_point{});
+  times.bucket_ready.assign(layout.buckets.size(), Clock::time_point{});
+  times.bucket_launch.assign(layout.buckets.size(), Clock::time_point{});
   if (unused_at_forward && unused_forward == forward && !bypassed) {
     for (size_t index : dense_only(*unused_at_forward)) {
       mark_ready(index, /*used=*/false);
@@ -130,14 +130,14 @@ void Reducer::State::open_iteration(int64_t forward, bool sync) {
 }
 
 void Reducer::State::mark_ready(size_t index, bool used) {
-  ready[index] = 1;
-  auto& bucket = buckets[bucket_of[index]];
-  size_t k = slot_of[index];
+  backward.ready[index] = 1;
+  auto& bucket = layout.buckets[layout.bucket_of[index]];
+  size_t k = layout.slot_of[index];
   // A rank that ran out of batches adds zeros, whatever it accumulated.
-  bool contributes = !shadowing && (used || used_since_sync[index]);
+  bool contributes = !backward.shadowing && (used || used_since_sync[index]);
   auto& grad = params[index].mutable_grad();
   at::NoGradGuard no_grad;
-  if (!grad.defined() || shadowing) {
+  if (!grad.defined() || backward.shadowing) {
     bucket.slot(k).zero_();
   } else if (grad.is_sparse()) {
     // A sparse gradient of a parameter in a bucket (a functional sparse
@@ -151,14 +151,14 @@ void Reducer::State::mark_ready(size_t index, bool used) {
     grad = grad.clone();
   }
   bucket.flags()[static_cast<int64_t>(k)].fill_(contributes ? 1 : 0);
-  size_t b = bucket_of[index];
+  size_t b = layout.bucket_of[index];
   bool tracing = timeline::enabled();
-  if (tracing && bucket_first[b] == Clock::time_point{}) {
-    bucket_first[b] = Clock::now();
+  if (tracing && times.bucket_first[b] == Clock::time_point{}) {
+    times.bucket_first[b] = Clock::now();
   }
-  if (--pending[b] == 0) {
+  if (--backward.pending[b] == 0) {
     if (tracing) {
-      bucket_ready[b] = Clock::now();
+      times.bucket_ready[b] = Clock::now();
     }
     launch_ready_buckets(/*include_last=*/false);
   }
@@ -168,29 +168,21 @@ void Reducer::State::launch_ready_buckets(bool include_last) {
   // Strictly in bucket order, so that every rank issues the same sequence
   // of collectives. The last bucket waits for the end of backward, when this
   // rank's extras (problems, buffer changes) are known.
-  while (next_launch < buckets.size() && pending[next_launch] == 0 &&
-         (include_last || next_launch + 1 < buckets.size())) {
-    auto& bucket = buckets[next_launch];
-    if (next_launch + 1 == buckets.size()) {
-      auto extras = bucket.extras();
-      extras[kProblems].fill_(problems.empty() ? 0 : 1);
+  size_t count = layout.buckets.size();
+  for (size_t& b = backward.next_launch;
+       b < count && backward.pending[b] == 0 && (include_last || b + 1 < count); ++b) {
+    if (b + 1 == count) {
+      auto extras = layout.buckets[b].extras();
+      extras[kProblems].fill_(backward.problems.empty() ? 0 : 1);
       extras[kTrainableChanged].fill_(trainable_changed_locally() ? 1 : 0);
     }
-    bucket_launch[next_launch] = Clock::now();
-    launch_ms[next_launch] = ms_between(first_gradient, bucket_launch[next_launch]);
-    in_flight_what[next_launch] = str(
-        comm_hook ? "" : "all_reduce of ", describe_bucket(next_launch),
-        backward_of_forward > 0
-            ? str(" in the backward of forward ", backward_of_forward)
-            : std::string(" in a backward that bypassed the wrapper"));
-    if (comm_hook) {
-      launch_through_hook(next_launch);
-    } else {
-      in_flight[next_launch] = world.all_reduce_async(
-          bucket.buffer(), ReduceOp::Sum, in_flight_what[next_launch]);
-      stats.last.bytes_reduced += bucket.bytes();
-    }
-    ++next_launch;
+    times.bucket_launch[b] = Clock::now();
+    times.launch_ms[b] = ms_between(backward.first_gradient, times.bucket_launch[b]);
+    backward.in_flight_what[b] = str(
+        comm_hook ? "" : "all_reduce of ", describe_bucket(b),
+        backward.of_forward > 0 ? str(" in the backward of forward ", backward.of_forward)
+                                : std::string(" in a backward that bypassed the wrapper"));
+    launch_bucket(b);
   }
 }
 
@@ -199,32 +191,32 @@ void Reducer::State::finalize() {
   struct CloseIteration {
     State& state;
     ~CloseIteration() {
-      state.iteration_open = false;
-      state.shadowing = false;
+      state.backward.open = false;
+      state.backward.shadowing = false;
     }
   } close{*this};
-  if (!iteration_sync) {
+  if (!backward.sync) {
     if (timeline::enabled()) {
       timeline::record(timeline::kLoopTrack, "backward (no_sync: gradients stay local)",
-                       first_gradient, Clock::now());
+                       backward.first_gradient, Clock::now());
     }
     return;
   }
   auto backward_end = Clock::now();
 
   for (size_t index = 0; index < params.size(); ++index) {
-    if (ready[index] || sparse[index]) {
+    if (backward.ready[index] || sparse[index]) {
       continue;
     }
-    if (static_used && (*static_used)[index] && !shadowing) {
-      problems.push_back(str(
+    if (static_used && (*static_used)[index] && !backward.shadowing) {
+      backward.problems.push_back(str(
           "parameter '", names[index], "' got no gradient in iteration ",
           iteration, " but did in the first one, which static_graph froze."));
     }
     mark_ready(index, /*used=*/false);
   }
   launch_ready_buckets(/*include_last=*/true);
-  TORCH_INTERNAL_ASSERT(next_launch == buckets.size(), "a bucket was not launched");
+  TORCH_INTERNAL_ASSERT(backward.next_launch == layout.buckets.size(), "a bucket was not launched");
   reduce_sparse_gradients();
 
   auto wait_start = Clock::now();
@@ -233,7 +225,7 @@ void Reducer::State::finalize() {
 
   int64_t ranks_with_problems = 0;
   bool trainable_changed = false;
-  if (!buckets.empty()) {
+  if (!layout.buckets.empty()) {
     const double* extras = global_flags.data() + global_flags.size() - kExtraCount;
     ranks_with_problems = static_cast<int64_t>(extras[kProblems]);
     trainable_changed = extras[kTrainableChanged] > 0;
@@ -241,18 +233,18 @@ void Reducer::State::finalize() {
   if (ranks_with_problems > 0) {
     raise_problems_everywhere(ranks_with_problems);
   }
-  if (!shadowing) {
+  if (!backward.shadowing) {
     write_back(global_flags); // a rank that ran out keeps its gradients
   }
   used_since_sync.assign(params.size(), 0);
 
   stats.unused_parameters.clear();
   for (size_t index = 0; index < params.size(); ++index) {
-    if (!used_now[index]) {
+    if (!backward.used_now[index]) {
       stats.unused_parameters.push_back(names[index]);
     }
   }
-  if (info && !shadowing && (iteration == 1 || stats.unused_parameters != last_unused)) {
+  if (info && !backward.shadowing && (iteration == 1 || stats.unused_parameters != last_unused)) {
     std::string list;
     for (const auto& name : stats.unused_parameters) {
       list += (list.empty() ? "" : ", ") + name;
@@ -261,31 +253,31 @@ void Reducer::State::finalize() {
             list.empty() ? "none" : list));
     last_unused = stats.unused_parameters;
   }
-  if (!rebuilt) {
+  if (!layout.rebuilt) {
     rebuild_buckets();
     log_layout("rebuilt in the order gradients became ready");
   }
-  if (options.static_graph() && !static_used && !shadowing) {
-    static_used = used_now;
+  if (options.static_graph() && !static_used && !backward.shadowing) {
+    static_used = backward.used_now;
   }
   if (trainable_changed) {
     take_in_unfrozen();
   }
-  if (backward_of_forward == 0) {
+  if (backward.of_forward == 0) {
     // No forward went through the wrapper to sync the buffers: the
     // bypassing backward does, so that they stay in step all the same.
     sync_buffers_as_configured();
   }
 
   stats.iterations += 1;
-  auto backward_start = backward_from_forward_end ? forward_end : first_gradient;
+  auto backward_start = backward.from_forward_end ? forward_end : backward.first_gradient;
   stats.last.backward_ms = ms_between(backward_start, Clock::now());
   stats.last.comm_wait_ms = ms_between(wait_start, wait_end);
   stats.total.backward_ms += stats.last.backward_ms;
   stats.total.comm_wait_ms += stats.last.comm_wait_ms;
   stats.total.bytes_reduced += stats.last.bytes_reduced;
-  stats.bucket_launch_ms = launch_ms;
-  stats.backward_end_ms = ms_between(first_gradient, backward_end);
+  stats.bucket_launch_ms = times.launch_ms;
+  stats.backward_end_ms = ms_between(backward.first_gradient, backward_end);
   if (timeline::enabled()) {
     record_timeline(wait_start, wait_end);
   }
@@ -297,19 +289,19 @@ void Reducer::State::record_timeline(Clock::time_point wait_start,
   // time is known.
   const auto& loop = timeline::kLoopTrack;
   auto it = str(iteration);
-  timeline::record(loop, "backward", first_gradient, Clock::now(), {{"iteration", it}});
+  timeline::record(loop, "backward", backward.first_gradient, Clock::now(), {{"iteration", it}});
   timeline::record(loop, "waiting for buckets", wait_start, wait_end, {{"iteration", it}});
-  for (size_t b = 0; b < in_flight.size(); ++b) {
+  for (size_t b = 0; b < backward.in_flight.size(); ++b) {
     auto track = str("bucket ", b);
-    timeline::Args args{{"iteration", it}, {"collective", in_flight_what[b]}};
-    timeline::record(track, "gradients", bucket_first[b], bucket_ready[b], args);
+    timeline::Args args{{"iteration", it}, {"collective", backward.in_flight_what[b]}};
+    timeline::record(track, "gradients", times.bucket_first[b], times.bucket_ready[b], args);
     // A bucket launched as it filled is queued only for the launch call
     // itself, which is not worth a span.
-    if (bucket_launch[b] - bucket_ready[b] > std::chrono::microseconds(50)) {
-      timeline::record(track, "queued", bucket_ready[b], bucket_launch[b], args);
+    if (times.bucket_launch[b] - times.bucket_ready[b] > std::chrono::microseconds(50)) {
+      timeline::record(track, "queued", times.bucket_ready[b], times.bucket_launch[b], args);
     }
-    auto done = in_flight[b] ? in_flight[b]->completed_at() : wait_end;
-    timeline::record(track, comm_hook ? "hook" : "all_reduce", bucket_launch[b], done, args);
+    auto done = backward.in_flight[b] ? backward.in_flight[b]->completed_at() : wait_end;
+    timeline::record(track, comm_hook ? "hook" : "all_reduce", times.bucket_launch[b], done, args);
   }
   timeline::flush();
 }
@@ -318,7 +310,7 @@ void Reducer::State::raise_problems_everywhere(int64_t ranks_with_problems) {
   // Every rank learned the count from the same all-reduce, so every rank
   // is here: gathering the texts is safe, and every rank raises the same.
   std::string mine;
-  for (const auto& problem : problems) {
+  for (const auto& problem : backward.problems) {
     mine += (mine.empty() ? "" : "\n    ") + problem;
   }
   auto texts = world.all_gather_strings(mine);
@@ -343,7 +335,7 @@ void Reducer::State::raise_problems_everywhere(int64_t ranks_with_problems) {
 void Reducer::State::write_back(const std::vector<double>& global_flags) {
   at::NoGradGuard no_grad;
   size_t flag = 0;
-  for (auto& bucket : buckets) {
+  for (auto& bucket : layout.buckets) {
     if (!comm_hook) {
       bucket.gradients().div_(gradient_divisor()); // a hook returns the average
     }
@@ -381,14 +373,14 @@ void Reducer::State::write_back(const std::vector<double>& global_flags) {
 void Reducer::State::rebuild_buckets() {
   // Rank 0's ready order, so that every rank lays out the same buckets;
   // parameters that were not ready there go last.
-  rebuilt = true;
+  layout.rebuilt = true;
   stats.buckets_rebuilt = true;
   auto order = at::empty({static_cast<int64_t>(params.size())}, at::kLong);
   if (world.rank() == 0) {
     std::vector<char> placed(params.size(), 0);
     int64_t position = 0;
     auto* data = order.data_ptr<int64_t>();
-    for (size_t index : ready_order) {
+    for (size_t index : backward.ready_order) {
       if (!placed[index]) {
         placed[index] = 1;
         data[position++] = static_cast<int64_t>(index);

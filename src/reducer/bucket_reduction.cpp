@@ -1,4 +1,5 @@
-// How the buckets of an iteration are reduced. Without a hook, each bucket
+// How the buckets of an iteration are reduced: the one place where the
+// reducer hands a bucket to communication. Without a hook, each bucket
 // is all-reduced whole, its "used" flags (and, in the last one, the extras)
 // riding after the gradients: no collective of their own. With a hook, the
 // hook gets the gradients alone, which it may compress; the flags and the
@@ -13,9 +14,20 @@
 
 namespace lockstep::detail {
 
+void Reducer::State::launch_bucket(size_t b) {
+  if (comm_hook) {
+    launch_through_hook(b);
+    return;
+  }
+  const auto& bucket = layout.buckets[b];
+  backward.in_flight[b] =
+      world.all_reduce_async(bucket.buffer(), ReduceOp::Sum, backward.in_flight_what[b]);
+  stats.last.bytes_reduced += bucket.bytes();
+}
+
 void Reducer::State::launch_through_hook(size_t b) {
-  const auto& bucket = buckets[b];
-  GradBucket view{b, b + 1 == buckets.size(), bucket.gradients(), {}, {}, {}, world,
+  const auto& bucket = layout.buckets[b];
+  GradBucket view{b, b + 1 == layout.buckets.size(), bucket.gradients(), {}, {}, {}, world,
                   describe_bucket(b)};
   int64_t offset = 0;
   for (size_t index : bucket.members()) {
@@ -25,58 +37,60 @@ void Reducer::State::launch_through_hook(size_t b) {
     offset += params[index].numel();
   }
   try {
-    hooked[b] = comm_hook(view);
-    stats.last.bytes_reduced += view.bytes_sent >= 0 ? view.bytes_sent : bucket.gradients().nbytes();
+    backward.hooked[b] = comm_hook(view);
+    stats.last.bytes_reduced +=
+        view.bytes_sent >= 0 ? view.bytes_sent : bucket.gradients().nbytes();
   } catch (const std::exception& e) {
     LOCKSTEP_FAIL(UsageError, "rank ", world.rank(), ": the communication hook failed on ",
-                  in_flight_what[b], ": ", e.what());
+                  backward.in_flight_what[b], ": ", e.what());
   }
-  LOCKSTEP_ENFORCE(hooked[b] != nullptr, UsageError, "rank ", world.rank(),
-                   ": the communication hook returned no future for ", in_flight_what[b], ".");
+  LOCKSTEP_ENFORCE(backward.hooked[b] != nullptr, UsageError, "rank ", world.rank(),
+                   ": the communication hook returned no future for ",
+                   backward.in_flight_what[b], ".");
 }
 
 std::vector<double> Reducer::State::wait_for_buckets() {
   std::vector<double> sums;
   if (!comm_hook) {
-    for (auto& work : in_flight) {
+    for (auto& work : backward.in_flight) {
       work->wait();
     }
-    for (const auto& bucket : buckets) {
+    for (const auto& bucket : layout.buckets) {
       auto flags = bucket.flags().to(at::kDouble);
       sums.insert(sums.end(), flags.data_ptr<double>(), flags.data_ptr<double>() + flags.numel());
     }
-    if (!buckets.empty()) {
-      auto extras = buckets.back().extras().to(at::kDouble);
+    if (!layout.buckets.empty()) {
+      auto extras = layout.buckets.back().extras().to(at::kDouble);
       sums.insert(sums.end(), extras.data_ptr<double>(),
                   extras.data_ptr<double>() + extras.numel());
     }
     return sums;
   }
   std::vector<at::Tensor> parts;
-  for (const auto& bucket : buckets) {
+  for (const auto& bucket : layout.buckets) {
     parts.push_back(bucket.flags().to(at::kDouble));
   }
-  if (!buckets.empty()) {
-    parts.push_back(buckets.back().extras().to(at::kDouble));
+  if (!layout.buckets.empty()) {
+    parts.push_back(layout.buckets.back().extras().to(at::kDouble));
   }
   auto lane = at::cat(parts);
   auto lane_work = world.all_reduce_async(
       lane, ReduceOp::Sum, str("the used flags of iteration ", iteration, " (", lane.numel(),
                               " values beside the hook's buckets)"));
   at::NoGradGuard no_grad;
-  for (size_t b = 0; b < buckets.size(); ++b) {
+  for (size_t b = 0; b < layout.buckets.size(); ++b) {
     at::Tensor average;
     try {
-      average = hooked[b]();
+      average = backward.hooked[b]();
     } catch (const std::exception& e) {
       LOCKSTEP_FAIL(UsageError, "rank ", world.rank(), ": the communication hook's future "
-                    "failed for ", in_flight_what[b], ": ", e.what());
+                    "failed for ", backward.in_flight_what[b], ": ", e.what());
     }
-    auto gradients = buckets[b].gradients();
+    auto gradients = layout.buckets[b].gradients();
     LOCKSTEP_ENFORCE(average.defined() && average.numel() == gradients.numel(), UsageError,
                      "rank ", world.rank(), ": the communication hook returned ",
                      average.defined() ? str(average.numel(), " values") : "nothing", " for ",
-                     in_flight_what[b], ", which holds ", gradients.numel(), ".");
+                     backward.in_flight_what[b], ", which holds ", gradients.numel(), ".");
     if (!average.is_same(gradients)) {
       gradients.copy_(average.reshape({-1}));
     }

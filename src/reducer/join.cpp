@@ -149,7 +149,7 @@ void Reducer::finish_join() {
       if (!state.joining->backward_follows) {
         continue;
       }
-      state.shadowing = true;
+      state.backward.shadowing = true;
       state.open_iteration(state.forwards, /*sync=*/true);
     }
     state.finalize();

@@ -82,7 +82,7 @@ void Reducer::State::take_in_unfrozen() {
   // The buckets as they are, the new parameters last (their gradients come
   // late in backward: they were frozen layers, usually the first ones).
   std::vector<size_t> order;
-  for (const auto& bucket : buckets) {
+  for (const auto& bucket : layout.buckets) {
     order.insert(order.end(), bucket.members().begin(), bucket.members().end());
   }
   for (size_t index = first_new; index < params.size(); ++index) {

@@ -141,24 +141,25 @@ void Reducer::State::layout_buckets(const std::vector<size_t>& order) {
   }
   // Gradients kept as views into the old buckets move to the new ones.
   at::NoGradGuard no_grad;
-  for (size_t index = 0; index < bucket_of.size() && !buckets.empty(); ++index) {
+  for (size_t index = 0; index < layout.bucket_of.size() && !layout.buckets.empty(); ++index) {
     auto& grad = params[index].mutable_grad();
-    if (!sparse[index] && buckets[bucket_of[index]].holds(slot_of[index], grad)) {
+    const auto& bucket = layout.buckets[layout.bucket_of[index]];
+    if (!sparse[index] && bucket.holds(layout.slot_of[index], grad)) {
       auto slot = fresh[fresh_bucket_of[index]].slot(fresh_slot_of[index]);
       slot.copy_(grad);
       grad = slot;
     }
   }
-  buckets = std::move(fresh);
-  bucket_of = std::move(fresh_bucket_of);
-  slot_of = std::move(fresh_slot_of);
+  layout.buckets = std::move(fresh);
+  layout.bucket_of = std::move(fresh_bucket_of);
+  layout.slot_of = std::move(fresh_slot_of);
 
-  for (size_t b = 0; b < buckets.size() && timeline::enabled(); ++b) {
+  for (size_t b = 0; b < layout.buckets.size() && timeline::enabled(); ++b) {
     timeline::declare_track(str("bucket ", b));
   }
   stats.bucket_bytes.clear();
   stats.bucket_parameters.clear();
-  for (const auto& bucket : buckets) {
+  for (const auto& bucket : layout.buckets) {
     stats.bucket_bytes.push_back(bucket.bytes());
     std::vector<std::string> members;
     for (size_t index : bucket.members()) {
@@ -179,10 +180,10 @@ void Reducer::State::log_layout(const std::string& when) const {
     return;
   }
   std::ostringstream out;
-  out << "bucket layout " << when << ": " << buckets.size() << " bucket(s)";
-  for (size_t b = 0; b < buckets.size(); ++b) {
-    out << "\n  bucket " << b << " (" << mib(buckets[b].bytes()) << "):";
-    for (size_t index : buckets[b].members()) {
+  out << "bucket layout " << when << ": " << layout.buckets.size() << " bucket(s)";
+  for (size_t b = 0; b < layout.buckets.size(); ++b) {
+    out << "\n  bucket " << b << " (" << mib(layout.buckets[b].bytes()) << "):";
+    for (size_t index : layout.buckets[b].members()) {
       out << " " << names[index];
     }
   }
@@ -192,14 +193,14 @@ void Reducer::State::log_layout(const std::string& when) const {
 std::string Reducer::State::describe_bucket(size_t b) const {
   std::ostringstream out;
   out << "bucket " << b << " of iteration " << iteration << " (";
-  const auto& members = buckets[b].members();
+  const auto& members = layout.buckets[b].members();
   for (size_t k = 0; k < members.size() && k < 3; ++k) {
     out << (k == 0 ? "" : ", ") << names[members[k]];
   }
   if (members.size() > 3) {
     out << " and " << members.size() - 3 << " more";
   }
-  out << "; " << mib(buckets[b].bytes()) << ")";
+  out << "; " << mib(layout.buckets[b].bytes()) << ")";
   return out.str();
 }
 

@@ -67,9 +67,15 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   std::vector<NamedTensor> named_buffers;
   int64_t forwards = 0;
 
-  std::vector<Bucket> buckets;
-  std::vector<size_t> bucket_of;
-  std::vector<size_t> slot_of;
+  // The bucket layout, one owner: layout_buckets() (at construction, at the
+  // rebuild after the first iteration, when a parameter is taken in).
+  struct Layout {
+    std::vector<Bucket> buckets;
+    std::vector<size_t> bucket_of; // per parameter
+    std::vector<size_t> slot_of;   // per parameter, in its bucket
+    bool rebuilt = false;          // in the order of the first backward
+  };
+  Layout layout;
 
   mutable std::mutex mutex;
   bool sync_enabled = true;
@@ -86,35 +92,48 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   int64_t unhooked_forward = 0;
   bool unhooked_sync = true;
 
-  // The backward in progress.
-  bool iteration_open = false;
-  bool iteration_sync = false;
-  // The forward whose backward this is (0: one that bypassed the wrapper);
-  // in each bucket's description, so that DETAIL tells a rank that skipped
-  // a backward from one that is simply at the same iteration count.
-  int64_t backward_of_forward = 0;
+  // The backward in progress, one owner: open_iteration() starts it,
+  // finalize() ends it.
+  struct Backward {
+    bool open = false;
+    bool sync = false;
+    // This rank ran out of batches (join.cpp) and runs the others'
+    // iteration with zero gradients.
+    bool shadowing = false;
+    // The forward whose backward this is (0: one that bypassed the
+    // wrapper); in each bucket's description, so that DETAIL tells a rank
+    // that skipped a backward from one at the same iteration count.
+    int64_t of_forward = 0;
+    bool from_forward_end = false;
+    Clock::time_point first_gradient;
+    std::vector<char> ready;    // per parameter
+    std::vector<char> used_now; // per parameter
+    std::vector<size_t> ready_order;
+    std::vector<size_t> pending; // per bucket: gradients still to come
+    size_t next_launch = 0;
+    std::vector<std::optional<PendingCollective>> in_flight;
+    // With a communication hook: each bucket's future.
+    std::vector<BucketFuture> hooked;
+    // What each bucket's reduction is, as named in errors and the timeline
+    // (kept: the first iteration ends by relaying the buckets).
+    std::vector<std::string> in_flight_what;
+    std::vector<std::string> problems;
+  };
+  Backward backward;
   int64_t timed_forward = 0;
-  bool backward_from_forward_end = false;
-  Clock::time_point first_gradient;
-  std::vector<char> ready;
-  std::vector<char> used_now;
-  std::vector<size_t> ready_order;
-  std::vector<size_t> pending;
-  size_t next_launch = 0;
-  std::vector<std::optional<PendingCollective>> in_flight;
-  // With a communication hook: each bucket's future, and the exact lane
-  // that carries every bucket's flags and the extras instead.
+  // How buckets travel besides the built-in all-reduce (comm_hook.h).
   CommHook comm_hook;
-  std::vector<BucketFuture> hooked;
-  std::vector<double> launch_ms;
-  // What each bucket's all-reduce is, as named in errors and the timeline
-  // (kept: the first iteration ends by relaying the buckets).
-  std::vector<std::string> in_flight_what;
-  // For the timeline, per bucket: its first gradient, its last, its launch.
-  std::vector<Clock::time_point> bucket_first;
-  std::vector<Clock::time_point> bucket_ready;
-  std::vector<Clock::time_point> bucket_launch;
-  std::vector<std::string> problems;
+
+  // For the timeline and DdpStats, per bucket of the last backward: when it
+  // launched (ms after the first gradient), its first gradient, its last,
+  // its launch.
+  struct BucketTimes {
+    std::vector<double> launch_ms;
+    std::vector<Clock::time_point> bucket_first;
+    std::vector<Clock::time_point> bucket_ready;
+    std::vector<Clock::time_point> bucket_launch;
+  };
+  BucketTimes times;
 
   // Uneven inputs (join.cpp), inside a join guard.
   struct Joining {
@@ -128,13 +147,8 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   // the buffers come from.
   int active_ranks = 0;
   int buffer_root = 0;
-  // This rank ran out of batches and runs the others' iteration with zero
-  // gradients.
-  bool shadowing = false;
-
   // Across iterations.
   std::vector<char> used_since_sync;
-  bool rebuilt = false;
   std::optional<std::vector<char>> static_used;
   bool warned_bypass = false;
   int64_t iteration = 0; // synchronised backward passes begun
@@ -164,7 +178,8 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   void open_iteration(int64_t forward, bool sync);
   void mark_ready(size_t index, bool used);
   void launch_ready_buckets(bool include_last);
-  /// Hands bucket `b` to the communication hook.
+  /// Starts bucket `b`'s reduction: the built-in all-reduce, or the hook.
+  void launch_bucket(size_t b);
   void launch_through_hook(size_t b);
   /// Waits for the buckets' reductions; returns every bucket's flags and
   /// then the extras, summed over ranks.

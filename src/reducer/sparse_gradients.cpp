@@ -63,7 +63,8 @@ void Reducer::State::reduce_sparse_gradients() {
     const auto& param = params[index];
     auto grad = param.grad();
     bool contributes =
-        !shadowing && grad.defined() && (used_now[index] || used_since_sync[index]);
+        !backward.shadowing && grad.defined() &&
+        (backward.used_now[index] || used_since_sync[index]);
     at::Tensor mine;
     if (contributes) {
       mine = (grad.is_sparse() ? grad : grad.to_sparse(/*sparse_dim=*/1)).coalesce();
@@ -82,7 +83,7 @@ void Reducer::State::reduce_sparse_gradients() {
       widest = std::max(widest, rows.back());
       contributors += count[1].item<int64_t>();
     }
-    used_now[index] = used_now[index] || contributors > 0;
+    backward.used_now[index] = backward.used_now[index] || contributors > 0;
     if (contributors == 0) {
       continue; // no rank has a gradient: it stays as it was
     }
