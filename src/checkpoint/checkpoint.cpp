@@ -13,6 +13,7 @@
 
 #include "checkpoint/checkpoint_contents.h"
 #include "checkpoint/checkpoint_file.h"
+#include "world/broadcast_bytes.h"
 #include "world/torch_compat.h"
 
 namespace lockstep {
@@ -132,14 +133,7 @@ CheckpointExtra load_checkpoint(
   }
   if (read == CheckpointRead::RankZeroBroadcasts) {
     agree(world, error, "lockstep: reading the checkpoint " + path);
-    auto size = torch::tensor({static_cast<int64_t>(bytes.size())}, torch::kLong);
-    world.broadcast(size, 0);
-    auto data = torch::empty({size.item<int64_t>()}, torch::kByte);
-    if (world.rank() == 0) {
-      std::memcpy(data.data_ptr(), bytes.data(), bytes.size());
-    }
-    world.broadcast(data, 0);
-    bytes.assign(static_cast<const char*>(data.data_ptr()), data.numel());
+    detail::broadcast_bytes(world, 0, bytes, "");
   }
   detail::RestoredCheckpoint restored;
   if (error.empty()) {

@@ -7,7 +7,6 @@
 // with zero gradients. So every rank issues the same collectives, and the
 // ranks still training need not know who ran out, except to divide.
 
-#include <cstring>
 #include <sstream>
 
 #include <ATen/ATen.h>
@@ -16,6 +15,7 @@
 #include <torch/serialize/archive.h>
 
 #include "reducer/reducer_state.h"
+#include "world/broadcast_bytes.h"
 #include "world/rendezvous.h"
 
 namespace lockstep::detail {
@@ -36,17 +36,10 @@ void broadcast_optimizer(World& world, int root, torch::optim::Optimizer& optimi
     archive.save_to(out);
     bytes = out.str();
   }
-  auto what = str("rank ", root, "'s state of optimizer ", index, " at the end of the join");
-  auto size = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
-  world.broadcast(size, root, "size of " + what);
-  auto data = at::empty({size.item<int64_t>()}, at::kByte);
-  if (world.rank() == root) {
-    std::memcpy(data.data_ptr(), bytes.data(), bytes.size());
-  }
-  world.broadcast(data, root, what);
+  broadcast_bytes(world, root, bytes,
+                  str("rank ", root, "'s state of optimizer ", index, " at the end of the join"));
   if (world.rank() != root) {
-    std::istringstream in(std::string(static_cast<const char*>(data.data_ptr()),
-                                      static_cast<size_t>(data.numel())));
+    std::istringstream in(bytes);
     torch::serialize::InputArchive archive;
     archive.load_from(in);
     optimizer.load(archive);

@@ -1,0 +1,17 @@
+#pragma once
+
+// Bytes from one rank to all: a serialized archive (a checkpoint read by
+// rank 0 alone, an optimizer's state at the end of a join).
+
+#include <string>
+
+#include <lockstep/world.h>
+
+namespace lockstep::detail {
+
+/// Collective: every rank's `bytes` becomes rank `root`'s (its size first,
+/// then its contents). `what` names the broadcasts in errors; empty, they
+/// get World's default names.
+void broadcast_bytes(World& world, int root, std::string& bytes, const std::string& what);
+
+} // namespace lockstep::detail
