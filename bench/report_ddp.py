@@ -28,9 +28,11 @@ def main():
         rounds_of.setdefault(key, []).append((float(row["median_ms"]), float(row["peak_rss_mib"])))
     typical = {key: sorted(values)[(len(values) - 1) // 2] for key, values in rounds_of.items()}
     cores = os.cpu_count()
+    import torch  # the peer's version, and LibTorch's under lockstep (one package)
     lines = [
         "# lockstep DDP vs PyTorch DDP",
         "",
+        f"LibTorch and PyTorch {torch.__version__.split('+')[0]} (Debian's, both sides built on it).",
         f"2 ranks x 1 intra-op thread on one {cores}-core machine, OpenBLAS,",
         f"batch 64 per rank, SGD. Median ms per iteration (zero_grad + forward + loss + backward + step)",
         f"over {iterations} timed iterations after 10 of warm-up; the median of {rounds} alternating rounds;",

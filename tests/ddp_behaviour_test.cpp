@@ -93,7 +93,7 @@ TEST_P(Behaviour, BypassedWrapperStillAveragesAndWarnsOnce) {
   run_ranks(GetParam(), [](int rank) {
     World world = init();
     CountingWarnings warnings;
-    c10::Warning::WarningHandlerGuard guard(&warnings);
+    WarningHandlerGuard guard(&warnings);
     // Replicas stay bit-identical and equal to one process on the whole
     // batch, where PyTorch's silently diverged.
     train_side_by_side<Mlp>(world, [] { return Mlp(); }, DdpOptions(),
@@ -174,7 +174,7 @@ TEST_P(Behaviour, ABackwardThatBypassedTheWrapperKeepsBuffersInStep) {
     torch::manual_seed(22);
     Normed model;
     CountingWarnings warnings; // the bypass's one warning
-    c10::Warning::WarningHandlerGuard guard(&warnings);
+    WarningHandlerGuard guard(&warnings);
     DDP<Normed> ddp(model, world);
     for (int step = 0; step < 3; ++step) {
       auto [x, y] = global_batch(step, 8 * world.size(), {20});

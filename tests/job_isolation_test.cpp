@@ -24,6 +24,7 @@
 
 #include <lockstep/lockstep.h>
 
+#include "compat/c10d.h"
 #include "support/expect_error.h"
 #include "support/models.h"
 #include "support/multiprocess.h"
@@ -228,6 +229,7 @@ c10::intrusive_ptr<c10d::TCPStore> store_client(int port) {
   options.isServer = false;
   options.waitWorkers = false;
   options.timeout = std::chrono::seconds(10);
+  detail::choose_tcp_store_server(options); // what this LibTorch has
   return c10::make_intrusive<c10d::TCPStore>("127.0.0.1", options);
 }
 

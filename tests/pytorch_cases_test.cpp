@@ -223,7 +223,7 @@ TEST_P(PyTorchCases, AGradientNoRankProducedStaysAsLocalTrainingLeavesIt) {
         torch::mse_loss(ddp(shard(x, rank, 4), head), shard(y, rank, 4)).backward();
         torch::mse_loss(reference(x, head), y).backward();
         for (const auto& item : model->named_parameters()) {
-          const auto& expected = reference->named_parameters()[item.key()].grad();
+          at::Tensor expected = reference->named_parameters()[item.key()].grad();
           const auto& actual = item.value().grad();
           ASSERT_EQ(actual.defined(), expected.defined()) << item.key() << ", step " << step;
           if (expected.defined()) {
@@ -290,7 +290,7 @@ TEST_P(PyTorchCases, ReentrantCheckpointingIsOneIterationPerBackward) {
         SCOPED_TRACE(std::string(static_graph ? "static_graph, " : "") + std::to_string(times) +
                      " checkpoint(s)");
         CountingWarnings warnings;
-        c10::Warning::WarningHandlerGuard guard(&warnings);
+        WarningHandlerGuard guard(&warnings);
         auto stats = train_side_by_side<Checkpointed>(
             world, [times] { return Checkpointed(times); },
             DdpOptions().static_graph(static_graph), SideBySide(),
@@ -311,7 +311,7 @@ TEST_P(PyTorchCases, ASecondBackwardOfOneForwardIsNotABypass) {
     int n = world.size();
     for (auto bypass : {Bypass::SyncAndWarn, Bypass::Error, Bypass::Ignore}) {
       CountingWarnings warnings;
-      c10::Warning::WarningHandlerGuard guard(&warnings);
+      WarningHandlerGuard guard(&warnings);
       torch::manual_seed(14);
       Mlp model;
       torch::manual_seed(14);

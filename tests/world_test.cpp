@@ -12,6 +12,7 @@
 
 #include <lockstep/lockstep.h>
 
+#include "compat/c10d.h"
 #include "support/multiprocess.h"
 
 namespace lockstep {
@@ -217,6 +218,7 @@ TEST(World, ConnectsToTorchrunsAgentStore) {
       store_options.port = static_cast<uint16_t>(std::atoi(std::getenv("MASTER_PORT")));
       store_options.isServer = true;
       store_options.waitWorkers = false;
+      detail::choose_tcp_store_server(store_options); // what this LibTorch has
       agent = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", store_options);
     }
     World world = init();

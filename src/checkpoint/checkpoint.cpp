@@ -14,7 +14,7 @@
 #include "checkpoint/checkpoint_contents.h"
 #include "checkpoint/checkpoint_file.h"
 #include "world/broadcast_bytes.h"
-#include "world/torch_compat.h"
+#include "compat/c10d.h"
 
 namespace lockstep {
 namespace {

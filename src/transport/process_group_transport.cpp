@@ -3,14 +3,14 @@
 #include <atomic>
 
 #include <ATen/ATen.h>
+// 2.x: Backend.hpp comes with it.
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "timeline/recorder.h"
-#include "world/torch_compat.h"
+#include "compat/c10d.h"
 
 namespace lockstep::detail {
 namespace {
-
 
 class ProcessGroupWork : public TransportWork {
  public:
@@ -60,7 +60,7 @@ at::Tensor Transport::allocate(int64_t numel, at::ScalarType dtype) {
   return at::zeros({numel}, at::TensorOptions().dtype(dtype));
 }
 
-ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> group,
+ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<CollectiveBackend> group,
                                              std::string name)
     : group_(std::move(group)), name_(std::move(name)) {}
 

@@ -1,21 +1,18 @@
 #pragma once
 
-// Collectives over a c10d process group: Gloo for CPU tensors (the only
+// Collectives over a c10d backend: Gloo for CPU tensors (the only
 // transport across hosts, and the fallback on one), NCCL for CUDA tensors.
 
 #include <c10/util/intrusive_ptr.h>
 
+#include "compat/c10d.h"
 #include "transport/transport.h"
-
-namespace c10d {
-class ProcessGroup;
-} // namespace c10d
 
 namespace lockstep::detail {
 
 class ProcessGroupTransport : public Transport {
  public:
-  ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> group, std::string name);
+  ProcessGroupTransport(c10::intrusive_ptr<CollectiveBackend> group, std::string name);
 
   std::string describe() const override {
     return name_;
@@ -26,12 +23,12 @@ class ProcessGroupTransport : public Transport {
                                             const at::Tensor& input) override;
   std::unique_ptr<TransportWork> barrier() override;
 
-  const c10::intrusive_ptr<c10d::ProcessGroup>& group() const {
+  const c10::intrusive_ptr<CollectiveBackend>& group() const {
     return group_;
   }
 
  private:
-  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  c10::intrusive_ptr<CollectiveBackend> group_;
   std::string name_;
 };
 

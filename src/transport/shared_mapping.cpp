@@ -17,6 +17,8 @@
 
 #include <lockstep/error.h>
 
+#include "compat/c10d.h"
+
 namespace lockstep::detail {
 namespace {
 
@@ -31,10 +33,6 @@ std::string mib(size_t bytes) {
 
 std::string text(const std::vector<uint8_t>& bytes) {
   return {bytes.begin(), bytes.end()};
-}
-
-void put(c10d::Store& store, const std::string& key, const std::string& value) {
-  store.set(key, {value.begin(), value.end()});
 }
 
 // Polls the store: the group forms inside init(), before any collective.
@@ -129,7 +127,7 @@ SharedMappingResult share_mapping(c10d::Store& store,
     if (failure.empty()) {
       data = map(file.fd, bytes, failure);
     }
-    put(store, key + "/where",
+    store_set(store, key + "/where",
         failure.empty() ? str(::getpid(), " ", file.fd, " ", file.path) : "!" + failure);
   } else if (!await_key(store, key + "/where", deadline)) {
     failure = str("rank ", group.ranks[0], " did not offer the shared segment in time");
@@ -158,7 +156,7 @@ SharedMappingResult share_mapping(c10d::Store& store,
     }
   }
   // Everyone says how it went; the first failure, in rank order, decides.
-  put(store, str(key, "/status/", group.index), failure.empty() ? "ok" : failure);
+  store_set(store, str(key, "/status/", group.index), failure.empty() ? "ok" : failure);
   std::string common;
   for (size_t i = 0; i < group.ranks.size() && common.empty(); ++i) {
     std::string status_key = str(key, "/status/", i);

@@ -2,7 +2,7 @@
 
 #include <ATen/ATen.h>
 
-#include "world/rendezvous.h"
+#include "common/wording.h"
 
 namespace lockstep::detail {
 namespace {

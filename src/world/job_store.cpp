@@ -3,6 +3,7 @@
 #include <netdb.h>
 #include <sys/socket.h>
 
+#include <atomic>
 #include <future>
 #include <sstream>
 #include <thread>
@@ -15,7 +16,7 @@
 
 #include "world/job_secret.h"
 #include "world/rendezvous.h"
-#include "world/torch_compat.h"
+#include "compat/c10d.h"
 
 namespace lockstep::detail {
 namespace {
@@ -44,33 +45,63 @@ void expect_resolvable(const WorldConfig& config) {
       "host name or address, as every rank can resolve it (127.0.0.1 on one machine).");
 }
 
-// The first store operation runs on a thread of its own: a peer that
-// accepts connections but is not a store never answers, and TCPStore's
-// client would wait for that answer forever. On timeout the thread is left
-// behind, blocked, holding its own reference to the store.
-void expect_store_answers(const c10::intrusive_ptr<c10d::Store>& store,
-                          const WorldConfig& config) {
-  auto answered = std::make_shared<std::promise<void>>();
-  auto answer = answered->get_future();
-  std::thread([store, answered] {
+// Connecting, and the first store operation, run on a thread of their own:
+// a peer that accepts connections but is not a store never answers, and
+// TCPStore's client would wait for that answer forever (from LibTorch 2.x
+// on inside its constructor, which pings the server). On timeout the
+// thread is left behind, blocked, holding its own reference to the store.
+struct Connection {
+  std::promise<c10::intrusive_ptr<c10d::Store>> store;
+  std::atomic<bool> constructed{false};
+};
+
+c10::intrusive_ptr<c10d::Store> connect_and_probe(const WorldConfig& config,
+                                                  const c10d::TCPStoreOptions& options,
+                                                  bool host_here) {
+  auto connection = std::make_shared<Connection>();
+  auto connected = connection->store.get_future();
+  std::thread([connection, address = config.master_addr, options] {
     try {
+      c10::intrusive_ptr<c10d::Store> store =
+          c10::make_intrusive<c10d::TCPStore>(address, options);
+      connection->constructed = true;
       store->check({"probe"});
-      answered->set_value();
+      connection->store.set_value(std::move(store));
     } catch (...) {
-      answered->set_exception(std::current_exception());
+      connection->store.set_exception(std::current_exception());
     }
   }).detach();
-  try {
-    if (answer.wait_for(config.timeout) == std::future_status::ready) {
-      answer.get();
-      return;
+  // TCPStore gives up connecting by itself at the timeout; the margin lets
+  // that failure, with its own cause, arrive first.
+  if (connected.wait_for(config.timeout + std::chrono::seconds(2)) ==
+      std::future_status::ready) {
+    try {
+      return connected.get();
+    } catch (const std::exception& e) {
+      std::string cause = describe_exception(e);
+      if (connection->constructed) {
+        LOCKSTEP_FAIL(
+            RendezvousError, "rank ", config.rank, " reached ",
+            master_endpoint(config), " but it does not answer as a c10d store. "
+            "Is MASTER_PORT the port of rank 0's store (or torchrun's), and not "
+            "of another service?\n  cause: ", cause);
+      }
+      if (host_here && cause.find("already in use") != std::string::npos) {
+        fail_port_in_use(config, cause);
+      }
+      if (host_here) {
+        LOCKSTEP_FAIL(RendezvousError, "rank 0 cannot host the store at ",
+                      master_endpoint(config), ".\n  cause: ", cause);
+      }
+      LOCKSTEP_FAIL(
+          RendezvousError, "rank ", config.rank,
+          " could not reach the store at ", master_endpoint(config),
+          " (MASTER_ADDR:MASTER_PORT) within ", seconds(config.timeout),
+          ". Is rank 0 ", config.agent_store ? "(torchrun's agent) " : "",
+          "running, and do all ranks use the same MASTER_ADDR and "
+          "MASTER_PORT? Raise the limit with LOCKSTEP_TIMEOUT (seconds).\n"
+          "  cause: ", cause);
     }
-  } catch (const std::exception& e) {
-    LOCKSTEP_FAIL(
-        RendezvousError, "rank ", config.rank, " reached ",
-        master_endpoint(config), " but it does not answer as a c10d store. "
-        "Is MASTER_PORT the port of rank 0's store (or torchrun's), and not "
-        "of another service?\n  cause: ", describe_exception(e));
   }
   LOCKSTEP_FAIL(
       RendezvousError, "rank ", config.rank, " reached ",
@@ -150,28 +181,8 @@ class TcpJobStore : public JobStore {
     options.isServer = host_here_;
     options.waitWorkers = false;
     options.timeout = config.timeout;
-    c10::intrusive_ptr<c10d::Store> base;
-    try {
-      base = c10::make_intrusive<c10d::TCPStore>(config.master_addr, options);
-    } catch (const std::exception& e) {
-      std::string cause = describe_exception(e);
-      if (host_here_ && cause.find("already in use") != std::string::npos) {
-        fail_port_in_use(config, cause);
-      }
-      if (host_here_) {
-        LOCKSTEP_FAIL(RendezvousError, "rank 0 cannot host the store at ",
-                      master_endpoint(config), ".\n  cause: ", cause);
-      }
-      LOCKSTEP_FAIL(
-          RendezvousError, "rank ", config.rank,
-          " could not reach the store at ", master_endpoint(config),
-          " (MASTER_ADDR:MASTER_PORT) within ", seconds(config.timeout),
-          ". Is rank 0 ", config.agent_store ? "(torchrun's agent) " : "",
-          "running, and do all ranks use the same MASTER_ADDR and "
-          "MASTER_PORT? Raise the limit with LOCKSTEP_TIMEOUT (seconds).\n"
-          "  cause: ", cause);
-    }
-    expect_store_answers(base, config);
+    choose_tcp_store_server(options);
+    auto base = connect_and_probe(config, options, host_here_);
     try {
       nonce_ = claim_or_check(*base, config);
     } catch (const Error&) {

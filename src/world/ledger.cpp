@@ -6,7 +6,7 @@
 #include <lockstep/error.h>
 
 #include "world/rendezvous.h"
-#include "world/torch_compat.h"
+#include "compat/c10d.h"
 
 namespace lockstep::detail {
 namespace {

@@ -14,7 +14,7 @@
 #include <lockstep/error.h>
 
 #include "world/job_secret.h"
-#include "world/torch_compat.h"
+#include "compat/c10d.h"
 
 namespace lockstep::detail {
 namespace {
@@ -124,31 +124,6 @@ void wait_for_all(c10d::Store& store, const WorldConfig& config) {
 }
 
 } // namespace
-
-std::string rank_list(const std::vector<int>& ranks) {
-  // Runs of three or more consecutive ranks as "first–last": a rendezvous
-  // of 3000 ranks that one rank reached says "1–2999", not 2999 numbers.
-  std::string out;
-  for (size_t first = 0; first < ranks.size();) {
-    size_t last = first;
-    while (last + 1 < ranks.size() && ranks[last + 1] == ranks[last] + 1) {
-      ++last;
-    }
-    out += out.empty() ? "" : ", ";
-    if (last - first >= 2) {
-      out += std::to_string(ranks[first]) + "–" + std::to_string(ranks[last]);
-      first = last + 1;
-    } else {
-      out += std::to_string(ranks[first]);
-      ++first;
-    }
-  }
-  return out.empty() ? "none" : out;
-}
-
-std::string seconds(std::chrono::milliseconds duration) {
-  return str(static_cast<double>(duration.count()) / 1000.0, " s");
-}
 
 std::string master_endpoint(const WorldConfig& config) {
   return str(config.master_addr, ":", config.master_port);

@@ -10,6 +10,7 @@
 
 #include <c10/util/intrusive_ptr.h>
 
+#include "common/wording.h"
 #include "world/process_identity.h"
 #include "world/resolve.h"
 
@@ -31,12 +32,6 @@ std::vector<ProcessIdentity> join(const c10::intrusive_ptr<c10d::Store>& store,
 /// The address of this machine on the route towards `host`: what peers can
 /// reach us at when `host` is the master. Loopback when `host` is.
 std::string local_address_towards(const std::string& host);
-
-/// Ranks as "0, 2, 5–9", or "none", for messages.
-std::string rank_list(const std::vector<int>& ranks);
-
-/// A limit as "2.5 s", for messages.
-std::string seconds(std::chrono::milliseconds duration);
 
 /// "address:port" of the master, for messages.
 std::string master_endpoint(const WorldConfig& config);

@@ -1,5 +1,6 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "compat/c10d.h"
 #include "world/ledger_board.h"
 
 namespace lockstep::detail {
@@ -25,7 +26,7 @@ class StoreBoard : public LedgerBoard {
       : store_(std::move(store)), rank_(rank), size_(size) {}
 
   void post(uint64_t seq, const std::string& what) override {
-    store_->set(arrived_key(seq, rank_), {what.begin(), what.end()});
+    store_set(*store_, arrived_key(seq, rank_), what);
     if (seq > kKept) {
       store_->deleteKey(arrived_key(seq - kKept, rank_));
     }
@@ -49,7 +50,7 @@ class StoreBoard : public LedgerBoard {
     }
     closed_here_ = true;
     auto text = std::to_string(count) + (failed ? " failed" : "");
-    store_->set(closed_key(rank_), {text.begin(), text.end()});
+    store_set(*store_, closed_key(rank_), text);
     store_->add(kClosedCount, 1);
   }
 

@@ -13,13 +13,14 @@
 #include <thread>
 
 #include "timeline/recorder.h"
+#include "transport/local_transport.h"
 #include "transport/process_group_transport.h"
-#include "transport/select.h"
+#include "world/transport_choice.h"
 #include "world/job_store.h"
 #include "world/ledger.h"
 #include "world/rendezvous.h"
 #include "world/resolve.h"
-#include "world/torch_compat.h"
+#include "compat/c10d.h"
 
 namespace lockstep {
 
@@ -27,13 +28,21 @@ struct World::Impl : std::enable_shared_from_this<World::Impl> {
   detail::WorldConfig config;
   std::unique_ptr<detail::JobStore> job_store;
   c10::intrusive_ptr<c10d::Store> store;
+  // The world's Gloo: the fallback transport and the one across hosts.
+  c10::intrusive_ptr<detail::CollectiveBackend> cpu_backend;
+  // What World::process_group() hands out: cpu_backend itself (1.13) or a
+  // c10d::ProcessGroup dispatching to it (2.x), made at the first ask.
   c10::intrusive_ptr<c10d::ProcessGroup> cpu_group;
-  // What carries the collectives of CPU tensors: cpu_group, or shared
-  // memory between the ranks of a host (transport/select.h).
+  // What carries the collectives of CPU tensors: cpu_backend, or shared
+  // memory between the ranks of a host (world/transport_choice.h), or nothing
+  // at all in a world of one.
   std::shared_ptr<detail::Transport> cpu_transport;
   std::string transport_description;
-  std::mutex cuda_group_mutex;
+  std::mutex group_mutex;
+  c10::intrusive_ptr<detail::CollectiveBackend> cuda_backend;
   c10::intrusive_ptr<c10d::ProcessGroup> cuda_group;
+  c10::intrusive_ptr<c10d::Store> gloo_store;
+  c10::intrusive_ptr<c10d::Store> nccl_store;
   std::shared_ptr<detail::Transport> cuda_transport;
   // Numbers the collectives issued through World: the same sequence on
   // every rank, since every rank must issue the same collectives.
@@ -91,6 +100,12 @@ struct World::Impl : std::enable_shared_from_this<World::Impl> {
   }
 
   detail::Transport& transport_for(const at::Tensor& tensor);
+  // Gloo's backend: at init() where the world has peers, else (a process
+  // alone opens no socket) at the first ask for its process group.
+  void start_gloo_backend();
+  // Under group_mutex: NCCL's backend and transport, made at the first
+  // CUDA tensor (or ask for its process group).
+  void start_cuda_backend(const at::Device& device);
 
   detail::GroupOptions group_options() const {
     detail::GroupOptions options;
@@ -260,27 +275,47 @@ c10::intrusive_ptr<c10d::Store> World::store() const {
 
 c10::intrusive_ptr<c10d::ProcessGroup> World::process_group(
     const at::Device& device) const {
+  std::lock_guard<std::mutex> lock(impl_->group_mutex);
   if (device.is_cpu()) {
+    impl_->start_gloo_backend();
+    if (!impl_->cpu_group) {
+      impl_->cpu_group = detail::as_process_group(impl_->cpu_backend, impl_->gloo_store,
+                                                  impl_->group_options(), /*cuda=*/false);
+    }
     return impl_->cpu_group;
   }
+  impl_->start_cuda_backend(device);
+  if (!impl_->cuda_group) {
+    impl_->cuda_group = detail::as_process_group(impl_->cuda_backend, impl_->nccl_store,
+                                                 impl_->group_options(), /*cuda=*/true);
+  }
+  return impl_->cuda_group;
+}
+
+void World::Impl::start_gloo_backend() {
+  if (!cpu_backend) {
+    gloo_store = c10::make_intrusive<c10d::PrefixStore>("gloo/", store);
+    cpu_backend = detail::make_gloo_backend(gloo_store, group_options());
+  }
+}
+
+void World::Impl::start_cuda_backend(const at::Device& device) {
   LOCKSTEP_ENFORCE(
       device.is_cuda(), CollectiveError, "tensors on ", device,
       " are not supported; lockstep reduces CPU and CUDA tensors.");
-  std::lock_guard<std::mutex> lock(impl_->cuda_group_mutex);
-  if (!impl_->cuda_group) {
-    auto store = c10::make_intrusive<c10d::PrefixStore>("nccl/", impl_->store);
-    impl_->cuda_group = detail::make_nccl_group(store, impl_->group_options());
-    impl_->cuda_transport =
-        std::make_shared<detail::ProcessGroupTransport>(impl_->cuda_group, "NCCL");
+  if (!cuda_backend) {
+    nccl_store = c10::make_intrusive<c10d::PrefixStore>("nccl/", store);
+    cuda_backend = detail::make_nccl_backend(nccl_store, group_options());
+    cuda_transport = std::make_shared<detail::ProcessGroupTransport>(cuda_backend, "NCCL");
   }
-  return impl_->cuda_group;
 }
 
 detail::Transport& World::Impl::transport_for(const at::Tensor& tensor) {
   if (tensor.device().is_cpu()) {
     return *cpu_transport;
   }
-  (void)World(shared_from_this()).process_group(tensor.device());
+  std::lock_guard<std::mutex> lock(group_mutex);
+  start_cuda_backend(tensor.device());
   return *cuda_transport;
 }
 
@@ -345,7 +380,7 @@ std::vector<std::string> World::all_gather_strings(const std::string& value) {
   auto& store = *impl_->store;
   std::string operation = detail::str("all_gather_strings #", round);
   uint64_t seq = impl_->begin(operation);
-  store.set(key(round, rank()), {value.begin(), value.end()});
+  detail::store_set(store, key(round, rank()), value);
   // Having reached this round, every rank finished reading round - 2: our
   // key from then is no longer needed.
   if (round > 2) {
@@ -383,11 +418,14 @@ World init(const WorldOptions& options) {
         impl->config.rank, peers, impl->config.timeout,
         /*compare=*/impl->config.debug == DebugLevel::Detail);
   }
-  auto gloo_store = c10::make_intrusive<c10d::PrefixStore>("gloo/", impl->store);
-  impl->cpu_group = detail::make_gloo_group(gloo_store, impl->group_options());
-  impl->cpu_transport =
-      detail::choose_transport(impl->config, impl->store, peers, impl->cpu_group,
-                               impl->group_options());
+  if (impl->config.size == 1) {
+    impl->cpu_transport = std::make_shared<detail::LocalTransport>();
+  } else {
+    impl->start_gloo_backend();
+    impl->cpu_transport =
+        detail::choose_transport(impl->config, impl->store, peers, impl->cpu_backend,
+                                 impl->group_options());
+  }
   impl->transport_description = impl->cpu_transport->describe();
   if (impl->config.debug != DebugLevel::Off) {
     std::cerr << "lockstep INFO rank " << impl->config.rank << ": collectives of CPU tensors go "

@@ -1,4 +1,4 @@
-#include "transport/select.h"
+#include "world/transport_choice.h"
 
 #include <iostream>
 #include <map>
@@ -40,7 +40,7 @@ std::vector<std::vector<int>> hosts_of(const std::vector<ProcessIdentity>& peers
 std::string agree(c10d::Store& store, const WorldConfig& config, const std::string& mine) {
   std::string key = "agree/" + std::to_string(config.rank);
   std::string status = mine.empty() ? "ok" : mine;
-  store.set(key, {status.begin(), status.end()});
+  store_set(store, key, status);
   auto deadline = Clock::now() + config.timeout;
   for (int rank = 0; rank < config.size; ++rank) {
     std::string theirs_key = "agree/" + std::to_string(rank);
@@ -63,10 +63,10 @@ std::string agree(c10d::Store& store, const WorldConfig& config, const std::stri
 std::shared_ptr<Transport> choose_transport(const WorldConfig& config,
                                             const c10::intrusive_ptr<c10d::Store>& store,
                                             const std::vector<ProcessIdentity>& peers,
-                                            const c10::intrusive_ptr<c10d::ProcessGroup>& gloo,
+                                            const c10::intrusive_ptr<CollectiveBackend>& gloo,
                                             const GroupOptions& group_options) {
   auto gloo_transport = std::make_shared<ProcessGroupTransport>(gloo, "Gloo");
-  if (config.size == 1 || config.transport == TransportKind::Gloo) {
+  if (config.transport == TransportKind::Gloo) {
     return gloo_transport;
   }
   auto hosts = hosts_of(peers);
@@ -108,7 +108,7 @@ std::shared_ptr<Transport> choose_transport(const WorldConfig& config,
       auto column_store = c10::make_intrusive<c10d::PrefixStore>(
           "gloo/column" + std::to_string(group.index), store);
       across_hosts.across = std::make_shared<ProcessGroupTransport>(
-          make_gloo_group(column_store, column), "Gloo");
+          make_gloo_backend(column_store, column), "Gloo");
       across_hosts.world = gloo_transport;
       across_hosts.count = static_cast<int>(hosts.size());
     }

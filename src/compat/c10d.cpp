@@ -1,11 +1,15 @@
-#include "world/torch_compat.h"
+#include "compat/c10d.h"
 
 #include <cstdlib>
 
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #ifdef USE_C10D_NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
+
+#include <lockstep/error.h>
 
 namespace lockstep::detail {
 namespace {
@@ -25,9 +29,14 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
   TORCH_INTERNAL_ASSERT(false, "unknown ReduceOp");
 }
 
+// LibTorch 1.13's Gloo has no bfloat16 at all.
+bool gloo_lacks_type(const at::Tensor& tensor) {
+  return tensor.device().is_cpu() && tensor.scalar_type() == at::kBFloat16;
+}
+
 } // namespace
 
-c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(
+c10::intrusive_ptr<CollectiveBackend> make_gloo_backend(
     const c10::intrusive_ptr<c10d::Store>& store,
     const GroupOptions& options) {
   auto gloo = c10d::ProcessGroupGloo::Options::create(options.timeout);
@@ -46,7 +55,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(
       store, options.rank, options.size, gloo);
 }
 
-c10::intrusive_ptr<c10d::ProcessGroup> make_nccl_group(
+c10::intrusive_ptr<CollectiveBackend> make_nccl_backend(
     const c10::intrusive_ptr<c10d::Store>& store,
     const GroupOptions& options) {
 #ifdef USE_C10D_NCCL
@@ -64,8 +73,35 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_nccl_group(
 #endif
 }
 
+c10::intrusive_ptr<c10d::ProcessGroup> as_process_group(
+    const c10::intrusive_ptr<CollectiveBackend>& backend,
+    const c10::intrusive_ptr<c10d::Store>& store,
+    const GroupOptions& options,
+    bool cuda) {
+#if !defined(LOCKSTEP_TORCH_HAS_BACKEND)
+  (void)store;
+  (void)options;
+  (void)cuda;
+  return backend;
+#else
+  using BackendType = c10d::ProcessGroup::BackendType;
+  auto type = cuda ? BackendType::NCCL : BackendType::GLOO;
+#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 5
+  auto group = c10::make_intrusive<c10d::ProcessGroup>(store, options.rank, options.size);
+#else
+  auto group_options = c10::make_intrusive<c10d::ProcessGroup::Options>(
+      cuda ? "nccl" : "gloo", options.timeout);
+  auto group = c10::make_intrusive<c10d::ProcessGroup>(
+      store, options.rank, options.size, group_options);
+#endif
+  group->setBackend(cuda ? c10::DeviceType::CUDA : c10::DeviceType::CPU, type, backend);
+  group->setDefaultBackend(type);
+  return group;
+#endif
+}
+
 c10::intrusive_ptr<c10d::Work> start_all_reduce(
-    c10d::ProcessGroup& group, const at::Tensor& tensor, ReduceOp op) {
+    CollectiveBackend& group, const at::Tensor& tensor, ReduceOp op) {
   std::vector<at::Tensor> tensors{tensor};
   c10d::AllreduceOptions options;
   options.reduceOp = to_c10d(op);
@@ -73,7 +109,7 @@ c10::intrusive_ptr<c10d::Work> start_all_reduce(
 }
 
 c10::intrusive_ptr<c10d::Work> start_broadcast(
-    c10d::ProcessGroup& group, const at::Tensor& tensor, int root) {
+    CollectiveBackend& group, const at::Tensor& tensor, int root) {
   std::vector<at::Tensor> tensors{tensor};
   c10d::BroadcastOptions options;
   options.rootRank = root;
@@ -81,22 +117,35 @@ c10::intrusive_ptr<c10d::Work> start_broadcast(
 }
 
 c10::intrusive_ptr<c10d::Work> start_all_gather(
-    c10d::ProcessGroup& group,
+    CollectiveBackend& group,
     std::vector<at::Tensor>& outputs,
     const at::Tensor& input) {
   std::vector<std::vector<at::Tensor>> output_lists{outputs};
   std::vector<at::Tensor> inputs{input};
-  auto work = group.allgather(output_lists, inputs);
-  return work;
+  return group.allgather(output_lists, inputs);
 }
 
-c10::intrusive_ptr<c10d::Work> start_barrier(c10d::ProcessGroup& group) {
+c10::intrusive_ptr<c10d::Work> start_barrier(CollectiveBackend& group) {
   return group.barrier();
 }
 
-// LibTorch 1.13's Gloo has no bfloat16 at all.
-bool gloo_lacks_type(const at::Tensor& tensor) {
-  return tensor.device().is_cpu() && tensor.scalar_type() == at::kBFloat16;
+void store_set(c10d::Store& store, const std::string& key, const std::string& value) {
+  store.set(key, std::vector<uint8_t>(value.begin(), value.end()));
+}
+
+void choose_tcp_store_server(c10d::TCPStoreOptions& options) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 2)
+  // Set by CMake from the libraries LibTorch links: libuv's server where
+  // LibTorch has it, else the classic one, which every 2.x has (2.4 made
+  // libuv the default even where it is missing, and then fails).
+#ifdef LOCKSTEP_TORCH_HAS_LIBUV
+  options.useLibUV = true;
+#else
+  options.useLibUV = false;
+#endif
+#else
+  (void)options;
+#endif
 }
 
 at::ScalarType reduction_type(const at::Tensor& tensor) {

@@ -10,15 +10,10 @@
 
 #include <c10/util/intrusive_ptr.h>
 
+#include "compat/c10d.h"
 #include "transport/transport.h"
 #include "world/process_identity.h"
 #include "world/resolve.h"
-#include "world/torch_compat.h"
-
-namespace c10d {
-class ProcessGroup;
-class Store;
-} // namespace c10d
 
 namespace lockstep::detail {
 
@@ -30,7 +25,7 @@ namespace lockstep::detail {
 std::shared_ptr<Transport> choose_transport(const WorldConfig& config,
                                             const c10::intrusive_ptr<c10d::Store>& store,
                                             const std::vector<ProcessIdentity>& peers,
-                                            const c10::intrusive_ptr<c10d::ProcessGroup>& gloo,
+                                            const c10::intrusive_ptr<CollectiveBackend>& gloo,
                                             const GroupOptions& group_options);
 
 } // namespace lockstep::detail
