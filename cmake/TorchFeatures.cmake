@@ -22,11 +22,14 @@ foreach(folder IN LISTS LOCKSTEP_GLOO_INCLUDE_DIR)
   endif()
 endforeach()
 if(NOT gloo_config_found OR NOT gloo_sources_found)
+  if(LOCKSTEP_GLOO_INCLUDE_DIR)
+    set(gloo_where "in LOCKSTEP_GLOO_INCLUDE_DIR=${LOCKSTEP_GLOO_INCLUDE_DIR}")
+  else()
+    set(gloo_where "beside LibTorch (${TORCH_INCLUDE_DIRS}) or in the system")
+  endif()
   message(FATAL_ERROR
     "lockstep needs the Gloo headers (gloo/config.h and the rest of gloo/), "
-    "which c10d's ProcessGroupGloo.hpp includes, and found "
-    "${LOCKSTEP_GLOO_INCLUDE_DIR} beside LibTorch (${TORCH_INCLUDE_DIRS}) "
-    "and in the system.\n"
+    "which c10d's ProcessGroupGloo.hpp includes, and found none ${gloo_where}.\n"
     "On Debian: apt-get install libgloo-dev.\n"
     "With a pytorch.org LibTorch or the pip wheel's (they ship none, "
     "pytorch#91693): clone Gloo at the commit your PyTorch release pins "
