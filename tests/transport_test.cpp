@@ -128,6 +128,16 @@ TEST(SharedMemory, ARankKilledInTheMiddleIsNamedAndNothingStaysInDevShm) {
   EXPECT_EQ(lockstep_files_in_dev_shm(), before);
 }
 
+// Whether `pid` is stopped by a signal (state T in /proc/PID/stat).
+bool process_stopped(int pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  std::getline(stat, line);
+  auto end_of_name = line.rfind(')');
+  return end_of_name != std::string::npos && end_of_name + 2 < line.size() &&
+      line[end_of_name + 2] == 'T';
+}
+
 TEST(SharedMemory, AStoppedRankIsNamedAtTheTimeout) {
   ScratchFolder folder("stopped");
   LaunchOptions options;
@@ -139,22 +149,30 @@ TEST(SharedMemory, AStoppedRankIsNamedAtTheTimeout) {
   auto result = launch_ranks(options, [](int rank) {
     World world = init();
     auto tensor = world.allocate(1 << 20, at::kFloat);
-    auto pending = world.all_reduce_async(tensor, ReduceOp::Sum, "the stalled all_reduce");
-    std::string pid_file = std::string(std::getenv("LOCKSTEP_TEST_FOLDER")) + "/pid";
+    std::string folder = std::getenv("LOCKSTEP_TEST_FOLDER");
     if (rank == 1) {
-      std::ofstream(pid_file) << ::getpid();
+      // Rank 1 arrives, and stops before rank 0 does: it cannot have reduced
+      // its slice, whatever the scheduling (it could, had rank 0 come first).
+      auto pending = world.all_reduce_async(tensor, ReduceOp::Sum, "the stalled all_reduce");
+      std::ofstream(folder + "/pid.tmp") << ::getpid();
+      std::filesystem::rename(folder + "/pid.tmp", folder + "/pid");
       ::raise(SIGSTOP); // a debugger, a swapped-out machine: alive but still
       return;
     }
+    int pid = 0;
+    auto deadline = Clock::now() + std::chrono::seconds(10);
+    while (pid == 0 || !process_stopped(pid)) {
+      ASSERT_LT(Clock::now(), deadline) << "rank 1 never stopped";
+      std::ifstream(folder + "/pid") >> pid;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    auto pending = world.all_reduce_async(tensor, ReduceOp::Sum, "the stalled all_reduce");
     auto start = Clock::now();
     expect_error<TimeoutError>(
         [&] { pending.wait(); },
         {"rank 0: the stalled all_reduce #", " did not complete within 2 s: ",
          "cause: waiting for rank(s) 1 to reduce their slice of this tensor (shared memory)"});
     EXPECT_LT(Clock::now() - start, std::chrono::seconds(4));
-    int pid = 0;
-    std::ifstream(pid_file) >> pid;
-    ASSERT_GT(pid, 0);
     ::kill(pid, SIGKILL);
   });
   if (!in_rank_process()) {

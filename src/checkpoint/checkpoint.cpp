@@ -13,8 +13,8 @@
 
 #include "checkpoint/checkpoint_contents.h"
 #include "checkpoint/checkpoint_file.h"
-#include "world/broadcast_bytes.h"
 #include "compat/c10d.h"
+#include "world/broadcast_bytes.h"
 
 namespace lockstep {
 namespace {

@@ -6,8 +6,8 @@
 // 2.x: Backend.hpp comes with it.
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
-#include "timeline/recorder.h"
 #include "compat/c10d.h"
+#include "timeline/recorder.h"
 
 namespace lockstep::detail {
 namespace {

@@ -14,9 +14,9 @@
 
 #include <lockstep/error.h>
 
+#include "compat/c10d.h"
 #include "world/job_secret.h"
 #include "world/rendezvous.h"
-#include "compat/c10d.h"
 
 namespace lockstep::detail {
 namespace {

@@ -5,8 +5,8 @@
 
 #include <lockstep/error.h>
 
-#include "world/rendezvous.h"
 #include "compat/c10d.h"
+#include "world/rendezvous.h"
 
 namespace lockstep::detail {
 namespace {

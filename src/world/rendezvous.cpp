@@ -13,8 +13,8 @@
 
 #include <lockstep/error.h>
 
-#include "world/job_secret.h"
 #include "compat/c10d.h"
+#include "world/job_secret.h"
 
 namespace lockstep::detail {
 namespace {

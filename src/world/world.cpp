@@ -12,15 +12,15 @@
 #include <sstream>
 #include <thread>
 
+#include "compat/c10d.h"
 #include "timeline/recorder.h"
 #include "transport/local_transport.h"
 #include "transport/process_group_transport.h"
-#include "world/transport_choice.h"
 #include "world/job_store.h"
 #include "world/ledger.h"
 #include "world/rendezvous.h"
 #include "world/resolve.h"
-#include "compat/c10d.h"
+#include "world/transport_choice.h"
 
 namespace lockstep {
 
