@@ -56,7 +56,7 @@ def main():
                      f" | **{ms_of('lockstep') / ms_of('pytorch'):.2f}x**"
                      f" | {ms_of('lockstep') / ms_of('single'):.2f}x"
                      f" | {ms_of('lockstep_gloo') / ms_of('pytorch'):.2f}x |")
-    lines += ["", "![bar chart](bench-ddp.png)", "",
+    lines += ["", f"![bar chart]({os.path.basename(chart)})", "",
               "The MNIST CNN + BatchNorm with lockstep's SyncBatchNorm instead (PyTorch 1.13 has",
               "none on CPU), and what a join guard costs: [bench-join-syncbn.md](bench-join-syncbn.md),",
               "by `bench/run-join-syncbn`.",
