@@ -25,6 +25,7 @@
 #include "support/expect_error.h"
 #include "support/multiprocess.h"
 #include "support/scratch_folder.h"
+#include "world/process_identity.h"
 
 namespace lockstep::testing {
 namespace {
@@ -128,16 +129,6 @@ TEST(SharedMemory, ARankKilledInTheMiddleIsNamedAndNothingStaysInDevShm) {
   EXPECT_EQ(lockstep_files_in_dev_shm(), before);
 }
 
-// Whether `pid` is stopped by a signal (state T in /proc/PID/stat).
-bool process_stopped(int pid) {
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string line;
-  std::getline(stat, line);
-  auto end_of_name = line.rfind(')');
-  return end_of_name != std::string::npos && end_of_name + 2 < line.size() &&
-      line[end_of_name + 2] == 'T';
-}
-
 TEST(SharedMemory, AStoppedRankIsNamedAtTheTimeout) {
   ScratchFolder folder("stopped");
   LaunchOptions options;
@@ -161,7 +152,7 @@ TEST(SharedMemory, AStoppedRankIsNamedAtTheTimeout) {
     }
     int pid = 0;
     auto deadline = Clock::now() + std::chrono::seconds(10);
-    while (pid == 0 || !process_stopped(pid)) {
+    while (pid == 0 || detail::process_state(pid) != 'T') {
       ASSERT_LT(Clock::now(), deadline) << "rank 1 never stopped";
       std::ifstream(folder + "/pid") >> pid;
       std::this_thread::sleep_for(std::chrono::milliseconds(5));

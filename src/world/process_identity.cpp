@@ -46,6 +46,12 @@ bool read_stat(int pid, char& state, uint64_t& start_time) {
 
 } // namespace
 
+char process_state(int pid) {
+  char state = 0;
+  uint64_t start_time = 0;
+  return read_stat(pid, state, start_time) ? state : 0;
+}
+
 std::string ProcessIdentity::to_record() const {
   std::ostringstream out;
   out << pid << " " << start_time << " " << machine << " " << host;

@@ -32,4 +32,8 @@ ProcessIdentity this_process();
 /// another machine, which cannot be checked from here.
 bool process_gone(const ProcessIdentity& process);
 
+/// The state letter of /proc/PID/stat ('R', 'S', 'T' when stopped by a
+/// signal, ...), or 0 when there is no such process here.
+char process_state(int pid);
+
 } // namespace lockstep::detail
