@@ -6,6 +6,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/torch.h>
 
 #include <lockstep/lockstep.h>
@@ -230,6 +231,34 @@ TEST_P(PyTorchCases, AGradientNoRankProducedStaysAsLocalTrainingLeavesIt) {
             EXPECT_TRUE(torch::allclose(actual, expected, kFloat64Tolerance, kFloat64Tolerance))
                 << item.key() << ", step " << step;
           }
+        }
+      }
+    });
+  }
+}
+
+TEST_P(PyTorchCases, AnUndefinedGradientFlowingBackStaysUndefined) {
+  // test_undefined_grad_parity_unused_parameters: a backward through
+  // torch::autograd::UndefinedGrad reaches every parameter with no
+  // gradient at all; local training leaves .grad undefined, and so must DDP,
+  // with and without find_unused_parameters.
+  for (bool find_unused : {false, true}) {
+    SCOPED_TRACE(find_unused ? "find_unused_parameters" : "default");
+    run_ranks(GetParam(), [find_unused](int) {
+      World world = init();
+      torch::manual_seed(13);
+      Mlp model;
+      torch::manual_seed(13);
+      Mlp local;
+      DDP<Mlp> ddp(model, world, DdpOptions().find_unused_parameters(find_unused));
+      auto x = torch::ones({1, 20});
+      for (int step = 0; step < 2; ++step) {
+        torch::autograd::UndefinedGrad().apply({ddp(x).sum()})[0].backward();
+        torch::autograd::UndefinedGrad().apply({local(x).sum()})[0].backward();
+        for (const auto& item : model->named_parameters()) {
+          EXPECT_EQ(item.value().grad().defined(),
+                    local->named_parameters()[item.key()].grad().defined())
+              << item.key() << ", step " << step;
         }
       }
     });

@@ -144,6 +144,50 @@ TEST_P(SyncBatchNormTest, MatchesOneBatchNormOnTheConcatenatedBatch) {
   });
 }
 
+class SyncBatchNormPrecision : public ::testing::TestWithParam<int> {};
+
+INSTANTIATE_TEST_SUITE_P(WorldSize, SyncBatchNormPrecision, ::testing::Values(2, 3),
+                         [](const auto& info) { return "world" + std::to_string(info.param); });
+
+TEST_P(SyncBatchNormPrecision, AMeanLargeAgainstTheSpreadKeepsTheVariance) {
+  // float32 inputs of mean 1e4 and spread 1e-2, against one BatchNorm in
+  // float64 on the same values. The variance (1e-4) is 1e-12 of the squared
+  // mean, so E[x^2] - mean^2 would lose it; merged per rank as (count,
+  // mean, M2), it is exact to float64's rounding. Bounds, from the
+  // computation: running_var holds momentum x the batch's unbiased
+  // variance, rounded to float32 (relative 2^-24), plus the running value's
+  // own rounding; running_mean the same with the mean; the output uses the
+  // mean rounded to float32 (half a unit of 1e4: 2^-11), times invstd.
+  run_ranks(GetParam(), [](int rank) {
+    World world = init();
+    int n = world.size();
+    const int64_t rows = 4;
+    const int64_t channels = 3;
+    SyncBatchNorm sync(torch::nn::BatchNormOptions(channels), world);
+    torch::nn::BatchNorm1d reference(channels);
+    reference->to(torch::kDouble);
+    auto generator = at::make_generator<at::CPUGeneratorImpl>(5);
+    auto x = (1e4 + 1e-2 * at::randn({rows * n, channels}, generator, at::kDouble))
+                 .to(torch::kFloat);
+    auto y = sync(x.narrow(0, rows * rank, rows));
+    auto y_all = reference(x.to(torch::kDouble));
+    auto variance = x.to(torch::kDouble).var(0, /*unbiased=*/true);
+    auto var_bound = 0.1 * variance * std::ldexp(1.0, -23) + std::ldexp(1.0, -24);
+    auto var_error = (sync->running_var.to(torch::kDouble) - reference->running_var).abs();
+    EXPECT_TRUE(var_error.le(var_bound).all().item<bool>())
+        << "running_var off by " << var_error << " where the bound is " << var_bound;
+    auto mean_bound = 0.1 * 1e4 * std::ldexp(1.0, -23) + 0.9 * std::ldexp(1.0, -24);
+    auto mean_error = (sync->running_mean.to(torch::kDouble) - reference->running_mean).abs();
+    EXPECT_TRUE(mean_error.le(mean_bound).all().item<bool>())
+        << "running_mean off by " << mean_error;
+    auto invstd = (x.to(torch::kDouble).var(0, /*unbiased=*/false) + 1e-5).rsqrt();
+    auto output_bound = 1e4 * std::ldexp(1.0, -23) * invstd + 1e-5;
+    auto output_error = (y.to(torch::kDouble) - y_all.narrow(0, rows * rank, rows)).abs();
+    EXPECT_TRUE(output_error.le(output_bound).all().item<bool>())
+        << "output off by up to " << output_error.max().item<double>();
+  });
+}
+
 TEST(SyncBatchNormErrors, OneValuePerChannelAcrossAllRanksIsRefused) {
   run_ranks(2, [](int rank) {
     World world = init();

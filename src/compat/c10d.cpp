@@ -1,6 +1,8 @@
 #include "compat/c10d.h"
 
+#include <algorithm>
 #include <cstdlib>
+#include <thread>
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -149,7 +151,10 @@ void choose_tcp_store_server(c10d::TCPStoreOptions& options) {
 }
 
 at::ScalarType reduction_type(const at::Tensor& tensor) {
-  if (gloo_lacks_type(tensor)) {
+  // float16 too: Gloo adds it in float16, rounding at every step and
+  // overflowing at 65504 where the shared-memory transport sums in float32.
+  if (tensor.device().is_cpu() &&
+      (tensor.scalar_type() == at::kBFloat16 || tensor.scalar_type() == at::kHalf)) {
     return at::kFloat;
   }
   return tensor.scalar_type();
@@ -179,15 +184,22 @@ void wait_work(c10d::Work& work, std::chrono::milliseconds timeout) {
 }
 
 bool wait_work_for(c10d::Work& work, std::chrono::milliseconds slice) {
-  try {
-    work.wait(slice);
-    return true;
-  } catch (...) {
-    if (!work.isCompleted()) {
-      return false; // the slice ran out, not the work
+  // Never work.wait(slice): to c10d a zero slice means no limit at all, and
+  // every slice that runs out throws a c10::Error, which captures and
+  // symbolises a backtrace. isCompleted() is also true for a failed work,
+  // whose wait() then rethrows its failure.
+  auto deadline = std::chrono::steady_clock::now() + slice;
+  auto pause = std::chrono::microseconds(20);
+  while (!work.isCompleted()) {
+    auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) {
+      return false;
     }
+    std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(pause,
+                                                                               deadline - now));
+    pause = std::min(pause * 2, std::chrono::microseconds(1000));
   }
-  work.wait(); // completed meanwhile, or failed: its own outcome
+  work.wait();
   return true;
 }
 

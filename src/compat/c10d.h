@@ -91,9 +91,10 @@ void store_set(c10d::Store& store, const std::string& key, const std::string& va
 /// was built with it (never on 1.13, which has only the classic one).
 void choose_tcp_store_server(c10d::TCPStoreOptions& options);
 
-/// The type in which `tensor` travels through its backend: Gloo cannot
-/// reduce bfloat16 in LibTorch 1.13, so those go as float32 (exact for the
-/// values, and a more accurate sum) on every version alike.
+/// The type in which `tensor` is all-reduced by its backend: Gloo cannot
+/// reduce bfloat16 in LibTorch 1.13 and sums float16 in float16, so both
+/// go as float32 (exact for the values, the sum rounded once, no overflow)
+/// on every version alike.
 at::ScalarType reduction_type(const at::Tensor& tensor);
 
 /// `tensor` as the backend can move it without arithmetic (broadcast,

@@ -91,14 +91,15 @@ CommHook bf16_wrapper(CommHook inner) {
 CommHook allreduce() {
   return [](GradBucket& bucket) -> BucketFuture {
     auto gradients = bucket.gradients;
-    int n = bucket.world.size();
     bucket.bytes_sent = gradients.nbytes();
-    auto work = bucket.world.all_reduce_async(gradients, ReduceOp::Sum,
+    // World's average: 16-bit gradients (inside fp16_wrapper) are divided
+    // before they are summed, so that a sum above the format's range does
+    // not become inf.
+    auto work = bucket.world.all_reduce_async(gradients, ReduceOp::Average,
                                               "all_reduce of " + bucket.description);
-    return [work, gradients, n]() mutable {
+    return [work, gradients]() mutable {
       work.wait();
-      at::NoGradGuard no_grad;
-      return gradients.div_(n);
+      return gradients;
     };
   };
 }

@@ -1,8 +1,8 @@
 // SyncBatchNorm's forward and backward. The statistics travel in float64 as
-// per-rank sums (count x mean, count x (variance + mean^2), count), each
-// computed from this rank's batch by ATen's var_mean, so that ranks with
-// different batch sizes weigh exactly by their counts and an empty batch
-// adds nothing. The backward needs the global sums of dy and dy * (x - mean)
+// each rank's (count, mean, M2), computed from its batch by ATen's var_mean
+// in float64, and are merged with Chan et al.'s formula, so that ranks with
+// different batch sizes weigh exactly by their counts, an empty batch adds
+// nothing, and a mean large against the spread loses no precision. The backward needs the global sums of dy and dy * (x - mean)
 // per channel; the weight and bias gradients stay local, and
 // DistributedDataParallel averages them like any other.
 
@@ -48,26 +48,41 @@ struct GlobalStatistics {
 GlobalStatistics gather_statistics(World& world, const at::Tensor& input) {
   int64_t channels = input.size(1);
   int64_t count = channels > 0 ? input.numel() / channels : 0;
-  auto sums = at::zeros({2 * channels + 1}, at::kDouble);
+  // This rank's (count, mean, M2 = count x biased variance), from its values
+  // in float64.
+  auto mine = at::zeros({2 * channels + 1}, at::kDouble);
+  mine[0] = static_cast<double>(count);
   if (count > 0) {
-    auto [var, mean] = at::var_mean(input, reduced_dims(input.dim()), /*unbiased=*/false);
-    auto mean64 = mean.to(at::kDouble);
-    sums.narrow(0, 0, channels).copy_(mean64 * count);
-    sums.narrow(0, channels, channels).copy_((var.to(at::kDouble) + mean64 * mean64) * count);
-    sums[2 * channels] = static_cast<double>(count);
+    auto [var, mean] = at::var_mean(input.to(at::kDouble), reduced_dims(input.dim()),
+                                    /*unbiased=*/false);
+    mine.narrow(0, 1, channels).copy_(mean);
+    mine.narrow(0, 1 + channels, channels).copy_(var * static_cast<double>(count));
   }
-  world.all_reduce_async(sums, ReduceOp::Sum,
-                         detail::str("SyncBatchNorm statistics of ", channels, " channels"))
-      .wait();
+  auto parts = world.all_gather(mine);
+  // Merged in rank order with Chan et al.'s update, the same on every rank:
+  // a mean large against the spread costs nothing, where E[x^2] - mean^2
+  // would cancel it away.
   GlobalStatistics global;
-  global.count = static_cast<int64_t>(sums[2 * channels].item<double>());
+  double merged = 0;
+  global.mean = at::zeros({channels}, at::kDouble);
+  auto m2 = at::zeros({channels}, at::kDouble);
+  for (const auto& part : parts) {
+    double added = part[0].item<double>();
+    if (added == 0) {
+      continue;
+    }
+    double total = merged + added;
+    auto delta = part.narrow(0, 1, channels) - global.mean;
+    global.mean += delta * (added / total);
+    m2 += part.narrow(0, 1 + channels, channels) + delta * delta * (merged * added / total);
+    merged = total;
+  }
+  global.count = static_cast<int64_t>(merged);
   LOCKSTEP_ENFORCE(
       global.count > 1, UsageError, "SyncBatchNorm needs more than one value per channel "
       "across all ranks in training, got ", global.count, " (input of this rank: ",
       input.sizes(), ").");
-  global.mean = sums.narrow(0, 0, channels) / global.count;
-  global.var = (sums.narrow(0, channels, channels) / global.count - global.mean * global.mean)
-                   .clamp_min(0);
+  global.var = m2 / static_cast<double>(global.count);
   return global;
 }
 

@@ -133,9 +133,12 @@ void Reducer::State::mark_ready(size_t index, bool used) {
   backward.ready[index] = 1;
   auto& bucket = layout.buckets[layout.bucket_of[index]];
   size_t k = layout.slot_of[index];
-  // A rank that ran out of batches adds zeros, whatever it accumulated.
-  bool contributes = !backward.shadowing && (used || used_since_sync[index]);
   auto& grad = params[index].mutable_grad();
+  // A rank that ran out of batches adds zeros, whatever it accumulated; a
+  // gradient hook that brought no gradient (an undefined one flowed back,
+  // as through autograd::UndefinedGrad) adds nothing either, so that where
+  // no rank has one, .grad stays undefined as in local training.
+  bool contributes = !backward.shadowing && grad.defined() && (used || used_since_sync[index]);
   at::NoGradGuard no_grad;
   if (!grad.defined() || backward.shadowing) {
     bucket.slot(k).zero_();

@@ -6,10 +6,12 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <sstream>
 #include <thread>
 
@@ -17,7 +19,9 @@
 
 #include <lockstep/error.h>
 
+#include "common/wording.h"
 #include "compat/c10d.h"
+#include "transport/fd_handover.h"
 
 namespace lockstep::detail {
 namespace {
@@ -35,10 +39,15 @@ std::string text(const std::vector<uint8_t>& bytes) {
   return {bytes.begin(), bytes.end()};
 }
 
-// Polls the store: the group forms inside init(), before any collective.
-bool await_key(c10d::Store& store, const std::string& key, Clock::time_point deadline) {
+// Polls the store (the group forms inside init(), before any collective),
+// calling `check` between looks; it may throw.
+bool await_key(c10d::Store& store,
+               const std::string& key,
+               Clock::time_point deadline,
+               const std::function<void()>& check) {
   auto pause = std::chrono::microseconds(100);
   while (!store.check({key})) {
+    check();
     if (Clock::now() >= deadline) {
       return false;
     }
@@ -50,7 +59,7 @@ bool await_key(c10d::Store& store, const std::string& key, Clock::time_point dea
 
 struct MemoryFile {
   int fd = -1;
-  std::string path; // set when it lives in LOCKSTEP_SHM_DIR
+  std::string where; // the file's name in LOCKSTEP_SHM_DIR, for messages
   std::string failure;
 };
 
@@ -71,14 +80,20 @@ MemoryFile create_memory_file(size_t bytes) {
                          "unset LOCKSTEP_SHM_DIR to use memory no mount bounds)");
       return file;
     }
-    file.path = str(dir, "/lockstep-", ::getpid(), "-", made++);
-    file.fd = ::open(file.path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    std::string path = str(dir, "/lockstep-", ::getpid(), "-", made++);
+    file.fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (file.fd >= 0) {
+      // The others receive the open file, never its name: nothing is left
+      // in the folder, however this process ends.
+      ::unlink(path.c_str());
+    }
+    file.where = path;
   } else {
     file.fd = ::memfd_create("lockstep", MFD_CLOEXEC);
   }
   if (file.fd < 0) {
     file.failure = str("cannot create shared memory",
-                       file.path.empty() ? std::string() : " at " + file.path, ": ",
+                       file.where.empty() ? std::string() : " at " + file.where, ": ",
                        std::strerror(errno));
     return file;
   }
@@ -92,9 +107,6 @@ MemoryFile create_memory_file(size_t bytes) {
     file.failure = str("cannot reserve ", mib(bytes), " of shared memory: ", std::strerror(error));
     ::close(file.fd);
     file.fd = -1;
-    if (!file.path.empty()) {
-      ::unlink(file.path.c_str());
-    }
   }
   return file;
 }
@@ -113,71 +125,173 @@ SharedMapping::~SharedMapping() {
   ::munmap(data_, bytes_);
 }
 
+namespace {
+
+// The keys of one shared segment, and the rule that the creating rank
+// alone decides whether the group uses it: every rank reads that one
+// verdict, so that none maps while another falls back.
+struct Handshake {
+  c10d::Store& store;
+  const std::string& key;
+  const HostGroup& group;
+  Clock::time_point deadline;
+
+  std::string where() const {
+    return key + "/where";
+  }
+  std::string status(size_t index) const {
+    return str(key, "/status/", index);
+  }
+  std::string verdict() const {
+    return key + "/verdict";
+  }
+
+  // Raises CollectiveError naming a rank of the group whose process is
+  // gone: it will never take part.
+  void check_peers() const {
+    for (size_t i = 0; i < group.ranks.size(); ++i) {
+      if (static_cast<int>(i) != group.index && group.gone && group.gone(i)) {
+        LOCKSTEP_FAIL(CollectiveError, "rank ", group.ranks[static_cast<size_t>(group.index)],
+                      ": rank ", group.ranks[i], " (pid ", group.pids[i], ") exited without "
+                      "closing its world while the ranks of this host set up shared memory; "
+                      "its own output says why.");
+      }
+    }
+  }
+
+  bool await(const std::string& name) const {
+    return await_key(store, name, deadline, [this] { check_peers(); });
+  }
+};
+
+constexpr const char* kOk = "ok";
+constexpr const char* kFallBack = "fall back: ";
+constexpr const char* kFail = "fail: ";
+
+// The creating rank: makes the segment, hands it to the group's processes,
+// hears how each fared, and decides.
+void* create_and_offer(const Handshake& shake, size_t bytes, std::string& failure) {
+  void* data = MAP_FAILED;
+  MemoryFile file = create_memory_file(bytes);
+  failure = file.failure;
+  if (failure.empty()) {
+    data = map(file.fd, bytes, failure);
+  }
+  std::unique_ptr<FdOffer> offer;
+  if (failure.empty()) {
+    offer = std::make_unique<FdOffer>(failure);
+  }
+  store_set(shake.store, shake.where(), failure.empty() ? "socket " + offer->name()
+                                                        : "!" + failure);
+  const auto& group = shake.group;
+  try {
+    if (failure.empty()) {
+      std::vector<int> others(group.pids.begin() + 1, group.pids.end());
+      auto missing = offer->serve(file.fd, others, shake.deadline, [&] { shake.check_peers(); });
+      if (!missing.empty()) {
+        size_t index = static_cast<size_t>(
+            std::find(group.pids.begin(), group.pids.end(), missing.front()) -
+            group.pids.begin());
+        failure = str("rank ", group.ranks[index], " did not take the shared segment in time");
+      }
+    }
+    // Everyone says how it went; the first failure, in rank order, decides.
+    for (size_t i = 1; i < group.ranks.size() && failure.empty(); ++i) {
+      if (!shake.await(shake.status(i))) {
+        failure = str("rank ", group.ranks[i], " did not map the shared segment in time");
+      } else if (std::string status = text(shake.store.get(shake.status(i))); status != kOk) {
+        failure = str("rank ", group.ranks[i], ": ", status);
+      }
+    }
+  } catch (const Error& e) {
+    store_set(shake.store, shake.verdict(), kFail + std::string(e.what()));
+    if (data != MAP_FAILED) {
+      ::munmap(data, bytes);
+    }
+    if (file.fd >= 0) {
+      ::close(file.fd);
+    }
+    throw;
+  }
+  store_set(shake.store, shake.verdict(), failure.empty() ? kOk : kFallBack + failure);
+  if (file.fd >= 0) {
+    ::close(file.fd); // the mapping keeps the memory
+  }
+  return data;
+}
+
+// Any other rank: takes the segment from the process of the creating rank
+// (whatever the store says, no other), says how it went, and follows the
+// verdict.
+void* take_offered(const Handshake& shake, size_t bytes, std::string& failure) {
+  const auto& group = shake.group;
+  void* data = MAP_FAILED;
+  if (!shake.await(shake.where())) {
+    failure = str("rank ", group.ranks[0], " did not offer the shared segment in time");
+  } else if (std::string where = text(shake.store.get(shake.where())); where.rfind("!", 0) == 0) {
+    failure = where.substr(1);
+  } else if (where.rfind("socket ", 0) != 0) {
+    failure = "the store holds an offer of the shared segment that lockstep does not make";
+  } else {
+    int fd = take_fd(where.substr(7), group.pids[0], shake.deadline, failure);
+    struct stat info {};
+    if (fd >= 0 && (::fstat(fd, &info) != 0 || static_cast<size_t>(info.st_size) != bytes)) {
+      failure = "the shared segment handed over has the wrong size";
+    } else if (fd >= 0) {
+      data = map(fd, bytes, failure);
+    }
+    if (fd >= 0) {
+      ::close(fd);
+    }
+  }
+  store_set(shake.store, shake.status(static_cast<size_t>(group.index)),
+            failure.empty() ? kOk : failure);
+  if (!shake.await(shake.verdict())) {
+    if (data != MAP_FAILED) {
+      ::munmap(data, bytes);
+    }
+    LOCKSTEP_FAIL(TimeoutError, "rank ", group.ranks[static_cast<size_t>(group.index)],
+                  ": rank ", group.ranks[0], " did not say within ", seconds(group.timeout),
+                  " whether the ranks of this host share memory; that rank is not taking "
+                  "part, or is slow (raise LOCKSTEP_TIMEOUT).");
+  }
+  std::string verdict = text(shake.store.get(shake.verdict()));
+  if (verdict != kOk && data != MAP_FAILED) {
+    ::munmap(data, bytes);
+    data = MAP_FAILED;
+  }
+  if (verdict.rfind(kFail, 0) == 0) {
+    // The creating rank's own error, which names the cause.
+    std::string cause = verdict.substr(std::string(kFail).size());
+    LOCKSTEP_FAIL(CollectiveError, "rank ", group.ranks[static_cast<size_t>(group.index)],
+                  ": shared memory could not be set up: ", cause);
+  }
+  LOCKSTEP_ENFORCE(verdict != kOk || data != MAP_FAILED, CollectiveError, "rank ",
+                   group.ranks[static_cast<size_t>(group.index)], ": told to use a shared "
+                   "segment that it could not map (", failure, "); the store holds a verdict "
+                   "that the rank which decides did not give.");
+  if (verdict != kOk) {
+    failure = verdict.substr(std::string(kFallBack).size());
+  }
+  return data;
+}
+
+} // namespace
+
 SharedMappingResult share_mapping(c10d::Store& store,
                                   const std::string& key,
                                   const HostGroup& group,
                                   size_t bytes) {
-  auto deadline = Clock::now() + group.timeout;
+  TORCH_INTERNAL_ASSERT(group.pids.size() == group.ranks.size());
+  Handshake shake{store, key, group, Clock::now() + group.timeout};
   std::string failure;
-  void* data = MAP_FAILED;
-  MemoryFile file;
-  if (group.index == 0) {
-    file = create_memory_file(bytes);
-    failure = file.failure;
-    if (failure.empty()) {
-      data = map(file.fd, bytes, failure);
-    }
-    store_set(store, key + "/where",
-        failure.empty() ? str(::getpid(), " ", file.fd, " ", file.path) : "!" + failure);
-  } else if (!await_key(store, key + "/where", deadline)) {
-    failure = str("rank ", group.ranks[0], " did not offer the shared segment in time");
-  } else {
-    std::string where = text(store.get(key + "/where"));
-    if (where.rfind("!", 0) == 0) {
-      failure = where.substr(1);
-    } else {
-      std::istringstream fields(where);
-      int pid = 0;
-      int fd = -1;
-      std::string path;
-      fields >> pid >> fd >> path;
-      std::string source = path.empty() ? str("/proc/", pid, "/fd/", fd) : path;
-      int mine = ::open(source.c_str(), O_RDWR | O_CLOEXEC);
-      struct stat info {};
-      if (mine < 0 || ::fstat(mine, &info) != 0 || static_cast<size_t>(info.st_size) != bytes) {
-        failure = str("cannot open the shared segment of rank ", group.ranks[0], " at ", source,
-                      ": ", mine < 0 ? std::strerror(errno) : "wrong size");
-      } else {
-        data = map(mine, bytes, failure);
-      }
-      if (mine >= 0) {
-        ::close(mine);
-      }
-    }
-  }
-  // Everyone says how it went; the first failure, in rank order, decides.
-  store_set(store, str(key, "/status/", group.index), failure.empty() ? "ok" : failure);
-  std::string common;
-  for (size_t i = 0; i < group.ranks.size() && common.empty(); ++i) {
-    std::string status_key = str(key, "/status/", i);
-    if (!await_key(store, status_key, deadline)) {
-      common = str("rank ", group.ranks[i], " did not map the shared segment in time");
-    } else if (std::string status = text(store.get(status_key)); status != "ok") {
-      common = str("rank ", group.ranks[i], ": ", status);
-    }
-  }
-  // Mapped everywhere (or given up): the file need not be reachable any more.
-  if (file.fd >= 0) {
-    ::close(file.fd);
-  }
-  if (!file.path.empty()) {
-    ::unlink(file.path.c_str());
-  }
-  if (!common.empty()) {
+  void* data = group.index == 0 ? create_and_offer(shake, bytes, failure)
+                                : take_offered(shake, bytes, failure);
+  if (!failure.empty()) {
     if (data != MAP_FAILED) {
       ::munmap(data, bytes);
     }
-    return {nullptr, common};
+    return {nullptr, failure};
   }
   return {std::make_unique<SharedMapping>(data, bytes), ""};
 }

@@ -3,15 +3,17 @@
 // Memory that the ranks of one host map together. By default an anonymous
 // memory file (memfd_create): no mount bounds it (Docker's 64 MiB /dev/shm
 // does not apply), nothing of it ever appears in /dev/shm, and it vanishes
-// with the last process that maps it, whatever way that process ends. The
-// creating rank hands it to the others through /proc/<pid>/fd/<fd>. With
+// with the last process that maps it, whatever way that process ends. With
 // LOCKSTEP_SHM_DIR set, a file in that folder instead (checked for room
-// first, unlinked as soon as every rank has mapped it). Every page is
-// reserved at creation, so that a lack of memory is an error then, never a
-// SIGBUS in the middle of a collective.
+// first, unlinked the moment it is created). Either way the creating rank
+// hands the open file to the processes of the other ranks, and to no one
+// else (transport/fd_handover.h): the store, which others may write to,
+// only says where to ask. Every page is reserved at creation, so that a
+// lack of memory is an error then, never a SIGBUS in a collective.
 
 #include <chrono>
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -47,14 +49,21 @@ class SharedMapping {
 /// them.
 struct HostGroup {
   std::vector<int> ranks; // world ranks, ascending; ranks[0] creates
+  /// Each rank's process id, as rendezvous learned it: the only processes
+  /// that may hand over or receive the group's memory.
+  std::vector<int> pids;
   int index = 0; // this rank's position in `ranks`
   std::chrono::milliseconds timeout{0};
+  /// Whether the process of the rank at this position is gone.
+  std::function<bool(size_t)> gone;
 };
 
 /// Collective among `group`: the first rank creates a zero-filled mapping
 /// of `bytes` and the others map it, meeting under `key` in `store`. Every
 /// rank of the group returns the mapping, or, if any rank could not create
-/// or map it, the same reason why not (the same on every rank of the group).
+/// or map it in time, the same reason why not: the first rank decides, and
+/// the others follow its verdict. A rank of the group whose process is gone
+/// is a CollectiveError naming it, on every rank.
 struct SharedMappingResult {
   std::unique_ptr<SharedMapping> mapping;
   std::string failure;

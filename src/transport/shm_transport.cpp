@@ -11,23 +11,11 @@ namespace {
 
 class ShmWork : public TransportWork {
  public:
-  ShmWork(std::shared_ptr<ShmTransport> transport,
-          std::shared_ptr<ShmOp> op,
-          at::Tensor result,
-          at::Tensor travelling)
-      : transport_(std::move(transport)),
-        op_(std::move(op)),
-        result_(std::move(result)),
-        travelling_(std::move(travelling)) {}
+  ShmWork(std::shared_ptr<ShmTransport> transport, std::shared_ptr<ShmOp> op)
+      : transport_(std::move(transport)), op_(std::move(op)) {}
 
   bool wait_for(std::chrono::milliseconds slice) override {
-    if (!transport_->wait_for(*op_, slice)) {
-      return false;
-    }
-    if (result_.defined() && result_.data_ptr() != travelling_.data_ptr()) {
-      result_.copy_(travelling_);
-    }
-    return true;
+    return transport_->wait_for(*op_, slice);
   }
 
   std::string stall() override {
@@ -41,13 +29,7 @@ class ShmWork : public TransportWork {
  private:
   std::shared_ptr<ShmTransport> transport_;
   std::shared_ptr<ShmOp> op_;
-  at::Tensor result_;
-  at::Tensor travelling_;
 };
-
-at::Tensor contiguous(const at::Tensor& tensor) {
-  return tensor.is_contiguous() ? tensor : tensor.contiguous();
-}
 
 // How long a waiter sleeps between looks when an operation waits for a
 // collective across hosts, which rings no doorbell.
@@ -125,16 +107,17 @@ std::unique_ptr<TransportWork> ShmTransport::alongside(std::unique_ptr<Transport
   return std::make_unique<AlongsideWork>(shared_from_this(), std::move(work));
 }
 
-std::unique_ptr<TransportWork> ShmTransport::begin(std::shared_ptr<ShmOp> op,
-                                                   at::Tensor result,
-                                                   at::Tensor travelling) {
+std::unique_ptr<TransportWork> ShmTransport::begin(const std::function<std::unique_ptr<ShmOp>()>& make) {
+  std::shared_ptr<ShmOp> op;
   {
+    // Made under the lock: an operation numbers its rounds when it is made,
+    // and they must follow the queue's order when two threads issue.
     std::lock_guard<std::mutex> lock(mutex_);
+    op = make();
     queue_.push_back(op);
     progress();
   }
-  return std::make_unique<ShmWork>(shared_from_this(), std::move(op), std::move(result),
-                                   std::move(travelling));
+  return std::make_unique<ShmWork>(shared_from_this(), std::move(op));
 }
 
 void ShmTransport::progress() {
@@ -192,55 +175,56 @@ std::string ShmTransport::waiting_for(const ShmOp& op) {
 }
 
 std::unique_ptr<TransportWork> ShmTransport::all_reduce(const at::Tensor& tensor, ReduceOp op) {
+  TORCH_INTERNAL_ASSERT(tensor.is_contiguous());
   std::shared_ptr<Arena> arena;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto found = arenas_.find(tensor.data_ptr());
-    if (found != arenas_.end() && tensor.is_contiguous()) {
+    if (found != arenas_.end()) {
       arena = found->second.lock();
     }
-    if (arena && static_cast<size_t>(tensor.nbytes()) <= arena->region_bytes) {
-      auto work = make_arena_op(context_, arena, tensor.scalar_type(), tensor.numel(), op,
-                                hosts_.across.get());
-      std::shared_ptr<ShmOp> shared(std::move(work));
-      queue_.push_back(shared);
-      progress();
-      return std::make_unique<ShmWork>(shared_from_this(), std::move(shared), at::Tensor(),
-                                       at::Tensor());
-    }
+  }
+  if (arena && static_cast<size_t>(tensor.nbytes()) <= arena->region_bytes) {
+    return begin([&] {
+      return make_arena_op(context_, arena, tensor.scalar_type(), tensor.numel(), op,
+                           hosts_.across.get());
+    });
   }
   if (hosts_.world) {
     return alongside(hosts_.world->all_reduce(tensor, op));
   }
-  auto travelling = contiguous(tensor);
-  return begin(make_staged_op(context_, StagedKind::AllReduce, travelling, {}, op, 0), tensor,
-               travelling);
+  return begin([&] { return make_staged_op(context_, StagedKind::AllReduce, tensor, {}, op, 0); });
 }
 
 std::unique_ptr<TransportWork> ShmTransport::broadcast(const at::Tensor& tensor, int root) {
+  TORCH_INTERNAL_ASSERT(tensor.is_contiguous());
   if (hosts_.world) {
     return alongside(hosts_.world->broadcast(tensor, root));
   }
-  auto travelling = contiguous(tensor);
   // The root as an index in this host's group, which is the whole world.
-  return begin(make_staged_op(context_, StagedKind::Broadcast, travelling, {}, ReduceOp::Sum, root),
-               tensor, travelling);
+  return begin([&] {
+    return make_staged_op(context_, StagedKind::Broadcast, tensor, {}, ReduceOp::Sum, root);
+  });
 }
 
 std::unique_ptr<TransportWork> ShmTransport::all_gather(const std::vector<at::Tensor>& outputs,
                                                         const at::Tensor& input) {
+  TORCH_INTERNAL_ASSERT(input.is_contiguous());
   if (hosts_.world) {
     return alongside(hosts_.world->all_gather(outputs, input));
   }
-  return begin(make_staged_op(context_, StagedKind::AllGather, contiguous(input), outputs,
-                              ReduceOp::Sum, 0));
+  return begin([&] {
+    return make_staged_op(context_, StagedKind::AllGather, input, outputs, ReduceOp::Sum, 0);
+  });
 }
 
 std::unique_ptr<TransportWork> ShmTransport::barrier() {
   if (hosts_.world) {
     return alongside(hosts_.world->barrier());
   }
-  return begin(make_staged_op(context_, StagedKind::Barrier, at::Tensor(), {}, ReduceOp::Sum, 0));
+  return begin([&] {
+    return make_staged_op(context_, StagedKind::Barrier, at::Tensor(), {}, ReduceOp::Sum, 0);
+  });
 }
 
 at::Tensor ShmTransport::allocate(int64_t numel, at::ScalarType dtype) {

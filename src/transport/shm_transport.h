@@ -61,8 +61,8 @@ class ShmTransport : public Transport, public std::enable_shared_from_this<ShmTr
                Hosts hosts,
                std::unique_ptr<Staging> staging);
 
-  std::unique_ptr<TransportWork> begin(std::shared_ptr<ShmOp> op, at::Tensor result = {},
-                                       at::Tensor travelling = {});
+  // Makes an operation and queues it, under the lock.
+  std::unique_ptr<TransportWork> begin(const std::function<std::unique_ptr<ShmOp>()>& make);
   // A collective of the world's Gloo group, whose waiter keeps advancing
   // this host's queue (a peer may need this rank's slice first).
   std::unique_ptr<TransportWork> alongside(std::unique_ptr<TransportWork> work);

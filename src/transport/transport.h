@@ -43,6 +43,9 @@ class TransportWork {
   }
 };
 
+// Every tensor handed to a transport is contiguous (World makes a dense
+// copy of a strided view): the transports, and Gloo beneath them, move
+// data_ptr() and numel() elements.
 class Transport {
  public:
   virtual ~Transport() = default;

@@ -87,7 +87,8 @@ void Ledger::check_peers(uint64_t seq, const std::string& what) {
       auto& list = found->second.failed ? failed : closed_early;
       list += str(list.empty() ? "" : "; ", "rank ", rank,
                   found->second.failed ? " stopped with an error" : " closed its world",
-                  " having completed ", found->second.completed, " collective(s)");
+                  " having completed ", found->second.completed, " collective(s)",
+                  found->second.cause.empty() ? "" : " because " + found->second.cause);
     } else if (found == closed.end() && process_gone(peers_[rank])) {
       gone += str(gone.empty() ? "" : "; ", "rank ", rank, " (pid ", peers_[rank].pid, " on ",
                   peers_[rank].host, ")");
@@ -98,7 +99,8 @@ void Ledger::check_peers(uint64_t seq, const std::string& what) {
   }
   // Whoever waits on this rank from now on learns at once that it will not
   // come, and the store's host need not wait for it.
-  close(seq - 1, /*failed=*/true);
+  close(seq - 1, /*failed=*/true,
+        gone.empty() ? "" : gone + " exited without closing its world");
   // A rank that left the loop early is the cause; ranks that failed since
   // (this one among them, for the others) are what followed.
   if (closed_early.empty() && !failed.empty()) {
@@ -162,9 +164,9 @@ std::string Ledger::attendance(uint64_t seq, bool failed) const {
   return failed ? text + ", most likely because it exited; its own output says why" : text;
 }
 
-void Ledger::close(uint64_t count, bool failed) {
+void Ledger::close(uint64_t count, bool failed, const std::string& cause) {
   try {
-    board_->close(count, failed);
+    board_->close(count, failed, cause);
   } catch (const std::exception&) {
     // The store's host has gone already: nobody is left to tell.
   }

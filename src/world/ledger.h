@@ -59,7 +59,7 @@ class Ledger {
 
   /// Records that this rank closed its world having completed the first
   /// `count` collectives; `failed` when an error closes it.
-  void close(uint64_t count, bool failed);
+  void close(uint64_t count, bool failed, const std::string& cause = "");
 
   /// Whether every other rank has closed or is gone: the store's host may
   /// then leave.

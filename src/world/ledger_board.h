@@ -22,6 +22,9 @@ namespace lockstep::detail {
 struct Closed {
   uint64_t completed = 0;
   bool failed = false;
+  /// Why it gave up, where it knows more than the others can see: the
+  /// peers it found gone (only a rank on their host can tell).
+  std::string cause;
 };
 
 class LedgerBoard {
@@ -36,8 +39,8 @@ class LedgerBoard {
   virtual std::optional<std::string> posted(int rank, uint64_t seq) = 0;
   /// Records that this rank will complete no collective after the first
   /// `count`: it closed its world, or gave up on it (`failed`: because of
-  /// an error).
-  virtual void close(uint64_t count, bool failed) = 0;
+  /// an error, `cause` when it knows which peer made it give up).
+  virtual void close(uint64_t count, bool failed, const std::string& cause) = 0;
   /// The ranks that closed, each with its count and whether it failed.
   virtual std::map<int, Closed> closed() = 0;
 };

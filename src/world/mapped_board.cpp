@@ -79,7 +79,9 @@ class MappedBoard : public LedgerBoard {
     return text;
   }
 
-  void close(uint64_t count, bool failed) override {
+  // Every rank of a one-host job sees every other's process: no cause
+  // needs to travel.
+  void close(uint64_t count, bool failed, const std::string& /*cause*/) override {
     uint64_t open = 0;
     slots_[rank_].closed.compare_exchange_strong(open, (count + 1) * 2 + (failed ? 1 : 0));
   }
@@ -89,7 +91,7 @@ class MappedBoard : public LedgerBoard {
     for (int rank = 0; rank < size_; ++rank) {
       uint64_t value = slots_[rank].closed.load(std::memory_order_acquire);
       if (value > 0) {
-        ranks[rank] = {value / 2 - 1, value % 2 == 1};
+        ranks[rank] = {value / 2 - 1, value % 2 == 1, ""};
       }
     }
     return ranks;

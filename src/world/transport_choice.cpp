@@ -98,6 +98,12 @@ std::shared_ptr<Transport> choose_transport(const WorldConfig& config,
     }
     group.ranks = hosts[host_index];
     group.timeout = config.timeout;
+    std::vector<ProcessIdentity> processes;
+    for (int rank : group.ranks) {
+      group.pids.push_back(peers[static_cast<size_t>(rank)].pid);
+      processes.push_back(peers[static_cast<size_t>(rank)]);
+    }
+    group.gone = [processes](size_t index) { return process_gone(processes[index]); };
     ShmTransport::Hosts across_hosts;
     if (hosts.size() > 1) {
       // The ranks of this local index on every host: a Gloo group of their

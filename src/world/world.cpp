@@ -53,6 +53,14 @@ struct World::Impl : std::enable_shared_from_this<World::Impl> {
   std::atomic<uint64_t> completed_count{0};
   std::unique_ptr<detail::Ledger> ledger;
   uint64_t string_gather_count = 0;
+  // Set by the first collective that fails here: its transport may still
+  // hold it, and the ranks are out of step, so nothing after it can run.
+  std::mutex broken_mutex;
+  std::string broken;
+  // Held from numbering a collective to handing it to its transport, so
+  // that collectives issued by two threads reach the transport (and Gloo's
+  // tags) in the order of their numbers.
+  std::mutex issue_mutex;
 
   ~Impl() {
     close();
@@ -67,9 +75,14 @@ struct World::Impl : std::enable_shared_from_this<World::Impl> {
   // gone too: they would otherwise lose the store, and with it the reason.
   void close() {
     if (ledger) {
-      // Closed while an exception unwinds the stack: the others should say
-      // "an error", not "fewer batches".
-      ledger->close(completed_count, /*failed=*/std::uncaught_exceptions() > 0);
+      // Closed while an exception unwinds the stack, or after a collective
+      // failed: the others should say "an error", not "fewer batches".
+      bool failed = std::uncaught_exceptions() > 0;
+      {
+        std::lock_guard<std::mutex> lock(broken_mutex);
+        failed = failed || !broken.empty();
+      }
+      ledger->close(completed_count, failed);
       if (job_store->hosted_here()) {
         auto limit = std::chrono::steady_clock::now() +
             std::min<std::chrono::milliseconds>(config.timeout, std::chrono::seconds(10));
@@ -83,6 +96,13 @@ struct World::Impl : std::enable_shared_from_this<World::Impl> {
     }
   }
 
+  void break_at(uint64_t seq, const std::string& what) {
+    std::lock_guard<std::mutex> lock(broken_mutex);
+    if (broken.empty()) {
+      broken = detail::str("collective #", seq, " (", what, ") failed");
+    }
+  }
+
   void completed(uint64_t seq) {
     uint64_t before = completed_count.load();
     while (before < seq && !completed_count.compare_exchange_weak(before, seq)) {
@@ -92,6 +112,15 @@ struct World::Impl : std::enable_shared_from_this<World::Impl> {
   /// Numbers the next collective and records, in the ledger, that this rank
   /// reached it.
   uint64_t begin(const std::string& what) {
+    {
+      std::lock_guard<std::mutex> lock(broken_mutex);
+      LOCKSTEP_ENFORCE(
+          broken.empty(), CollectiveError, "rank ", config.rank, ": ", what,
+          " cannot start: ", broken, " on this rank, so this world is unusable (the "
+          "transport may still hold that collective, and the ranks are out of step). End "
+          "this world, and the job or its attempt (lockstep-run --max-restarts resumes it "
+          "from a checkpoint); that first error says why.");
+    }
     uint64_t seq = ++collective_count;
     if (ledger) {
       ledger->arrive(seq, what);
@@ -123,6 +152,25 @@ namespace {
 
 constexpr auto kWaitSlice = std::chrono::milliseconds(100);
 
+// An average of 16-bit floats is divided before it is summed: a backend
+// that adds them in their own format (Gloo's float16) would otherwise
+// overflow at 65504 where the average does not.
+bool divides_first(const at::Tensor& tensor) {
+  return tensor.scalar_type() == at::kHalf || tensor.scalar_type() == at::kBFloat16;
+}
+
+// The tensor a collective moves in place of `tensor`: itself, or a dense
+// copy of a strided view (transports move data_ptr and numel). A tensor
+// whose elements share memory has no one place for each result.
+at::Tensor dense(const at::Tensor& tensor, const std::string& operation, int rank) {
+  LOCKSTEP_ENFORCE(
+      at::has_internal_overlap(tensor) != at::MemOverlap::Yes, UsageError, "rank ", rank, ": ",
+      operation, " is refused: elements of this tensor share memory (an expand(), or a "
+      "stride of 0), so there is no one place for each element's result; pass a "
+      ".contiguous() or .clone() of it.");
+  return tensor.is_contiguous() ? tensor : tensor.contiguous();
+}
+
 std::string describe(const at::Tensor& tensor) {
   std::ostringstream out;
   out << tensor.scalar_type() << " " << tensor.sizes();
@@ -132,7 +180,7 @@ std::string describe(const at::Tensor& tensor) {
 // Waits for one collective and turns the transport's failures into errors
 // that name the rank, the operation and, for a timeout, the ranks that never
 // reached it.
-void complete(
+void complete_or_explain(
     World::Impl& impl,
     uint64_t seq,
     const std::string& operation,
@@ -179,13 +227,32 @@ void complete(
   }
 }
 
+// complete_or_explain; a collective that fails leaves the world unusable.
+void complete(
+    World::Impl& impl,
+    uint64_t seq,
+    const std::string& operation,
+    detail::TransportWork& work) {
+  try {
+    complete_or_explain(impl, seq, operation, work);
+  } catch (...) {
+    impl.break_at(seq, operation);
+    throw;
+  }
+}
+
 // Starts a collective with `start` once this rank's arrival is recorded,
 // and completes it.
 template <typename Start>
 void run_collective(World::Impl& impl, const std::string& operation, Start start) {
   auto begin = detail::timeline::Clock::now();
-  uint64_t seq = impl.begin(operation);
-  auto work = start();
+  uint64_t seq = 0;
+  std::unique_ptr<detail::TransportWork> work;
+  {
+    std::lock_guard<std::mutex> lock(impl.issue_mutex);
+    seq = impl.begin(operation);
+    work = start();
+  }
   complete(impl, seq, operation, *work);
   if (detail::timeline::enabled()) {
     detail::timeline::record(detail::timeline::kLoopTrack, operation, begin,
@@ -204,7 +271,11 @@ struct PendingCollective::State {
   at::Tensor tensor;
   ReduceOp op = ReduceOp::Sum;
   bool done = false;
+  // A failed wait fails again: the data were never reduced.
+  std::exception_ptr failure;
   int64_t completed_ns = 0;
+  // Where the result belongs when `tensor` is a copy of a strided view.
+  at::Tensor view;
 };
 
 PendingCollective::PendingCollective(std::shared_ptr<State> state)
@@ -216,22 +287,33 @@ std::chrono::steady_clock::time_point PendingCollective::completed_at() const {
 
 void PendingCollective::wait() {
   auto& state = *state_;
+  if (state.failure) {
+    std::rethrow_exception(state.failure);
+  }
   if (state.done) {
     return;
   }
+  try {
+    complete(*state.world, state.seq, state.what, *state.work);
+  } catch (...) {
+    state.failure = std::current_exception();
+    throw;
+  }
   state.done = true;
-  complete(*state.world, state.seq, state.what, *state.work);
   state.completed_ns = state.work->completed_ns();
   if (state.completed_ns == 0) {
     state.completed_ns = detail::steady_now_ns();
   }
-  if (state.op == ReduceOp::Average) {
+  if (state.op == ReduceOp::Average && !divides_first(state.tensor)) {
     int size = state.world->config.size;
     if (at::isIntegralType(state.tensor.scalar_type(), /*includeBool=*/true)) {
       state.tensor.div_(size, "floor");
     } else {
       state.tensor.div_(size);
     }
+  }
+  if (state.view.defined()) {
+    state.view.copy_(state.tensor);
   }
 }
 
@@ -330,8 +412,12 @@ void World::broadcast(at::Tensor& tensor, int root, const std::string& descripti
   std::string operation = description.empty()
       ? detail::str("broadcast from rank ", root, " of ", describe(tensor))
       : description;
+  auto travelling = dense(tensor, operation, rank());
   run_collective(*impl_, operation,
-                 [&] { return impl_->transport_for(tensor).broadcast(tensor, root); });
+                 [&] { return impl_->transport_for(tensor).broadcast(travelling, root); });
+  if (!travelling.is_same(tensor)) {
+    tensor.copy_(travelling);
+  }
 }
 
 void World::all_reduce(at::Tensor& tensor, ReduceOp op) {
@@ -349,10 +435,18 @@ PendingCollective World::all_reduce_async(
   auto state = std::make_shared<PendingCollective::State>();
   state->world = impl_;
   state->what = description;
-  state->seq = impl_->begin(description);
-  state->tensor = tensor;
+  state->tensor = dense(tensor, description, rank());
+  if (!state->tensor.is_same(tensor)) {
+    state->view = tensor;
+  }
   state->op = op;
-  state->work = impl_->transport_for(tensor).all_reduce(tensor, op);
+  if (op == ReduceOp::Average && divides_first(tensor)) {
+    state->tensor.div_(size());
+  }
+  std::lock_guard<std::mutex> lock(impl_->issue_mutex);
+  state->seq = impl_->begin(description);
+  state->work = impl_->transport_for(tensor).all_reduce(
+      state->tensor, op == ReduceOp::Average ? ReduceOp::Sum : op);
   return PendingCollective(std::move(state));
 }
 

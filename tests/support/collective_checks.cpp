@@ -1,5 +1,7 @@
 #include "support/collective_checks.h"
 
+#include <functional>
+
 #include <ATen/ATen.h>
 
 #include <lockstep/error.h>
@@ -42,6 +44,19 @@ double unit_of(at::ScalarType type) {
     default:
       return 2.3e-16;
   }
+}
+
+// The average's definition: the sum divided by n; in 16 bits, where the
+// sum could pass the format's range, each share divided first, the shares
+// summed exactly (in float32) and rounded once.
+at::Tensor average_of(const std::vector<at::Tensor>& values, at::ScalarType type) {
+  auto n = static_cast<int64_t>(values.size());
+  auto sum = at::zeros_like(values[0], at::kDouble);
+  bool divides_first = type == at::kHalf || type == at::kBFloat16;
+  for (const auto& value : values) {
+    sum += divides_first ? value.div(n).to(at::kDouble) : value.to(at::kDouble);
+  }
+  return divides_first ? sum.to(type) : sum.to(type).div(n);
 }
 
 } // namespace
@@ -92,7 +107,7 @@ std::vector<std::string> check_collectives(World& world, bool large) {
       expect(sum.equal(exact_sum.to(type)), "sum of " + what);
       auto average = place(exact_values[rank]);
       world.all_reduce(average, ReduceOp::Average);
-      expect(average.equal(exact_sum.to(type).div(n)), "average of " + what);
+      expect(average.equal(average_of(exact_values, type)), "average of " + what);
       auto minimum = place(exact_values[rank]);
       world.all_reduce(minimum, ReduceOp::Min);
       expect(minimum.equal(smallest.to(type)), "minimum of " + what);
@@ -123,6 +138,51 @@ std::vector<std::string> check_collectives(World& world, bool large) {
                str("all_gather of ", what, ": rank ", r, "'s part"));
       }
     }
+  }
+  // Views: a collective on a view of a tensor changes the view's elements
+  // and nothing else of that tensor, on every transport. A tensor whose
+  // elements share memory (expand) has no one place for each result.
+  using ViewOf = std::function<at::Tensor(const at::Tensor&)>;
+  const std::vector<std::pair<std::string, ViewOf>> views{
+      {"narrow(1, 2, 5)", [](const at::Tensor& t) { return t.narrow(1, 2, 5); }},
+      {"select(1, 3)", [](const at::Tensor& t) { return t.select(1, 3); }},
+      {"t()", [](const at::Tensor& t) { return t.t(); }},
+      {"narrow(0, 1, 30)", [](const at::Tensor& t) { return t.narrow(0, 1, 30); }}};
+  for (auto type : types) {
+    auto base = [&](int r) { return contribution(37 * 11, type, r, true).view({37, 11}); };
+    int root = n - 1;
+    for (const auto& [name, view_of] : views) {
+      std::string what = str(name, " of a ", type, " [37, 11]");
+      auto sum = view_of(base(0)).to(at::kDouble);
+      for (int r = 1; r < n; ++r) {
+        sum += view_of(base(r)).to(at::kDouble);
+      }
+      auto reduced = base(rank).clone();
+      auto reduced_view = view_of(reduced);
+      world.all_reduce(reduced_view);
+      auto expected = base(rank).clone();
+      view_of(expected).copy_(sum);
+      expect(reduced.equal(expected), "sum of " + what);
+      auto broadcast = base(rank).clone();
+      auto broadcast_view = view_of(broadcast);
+      world.broadcast(broadcast_view, root);
+      expected = base(rank).clone();
+      view_of(expected).copy_(view_of(base(root)));
+      expect(broadcast.equal(expected), "broadcast of " + what);
+      auto gathered = world.all_gather(view_of(base(rank)));
+      for (int r = 0; r < n; ++r) {
+        expect(gathered[r].equal(view_of(base(r))), str("all_gather of ", what, ": rank ", r,
+                                                         "'s part"));
+      }
+    }
+  }
+  auto expanded = at::ones({1}).expand({5});
+  try {
+    world.all_reduce(expanded);
+    expect(false, "an all_reduce of an expanded tensor was not refused");
+  } catch (const UsageError& e) {
+    expect(std::string(e.what()).find("share memory") != std::string::npos,
+           str("the refusal of an expanded tensor says: ", e.what()));
   }
   world.barrier();
   return failures;
