@@ -142,13 +142,14 @@ TEST(ClassicMistakes, ARankThatIsLate) {
       expect_documented_error<TimeoutError>([&] { loss.backward(); }, "timeout");
     } else {
       std::this_thread::sleep_for(std::chrono::seconds(6)); // stuck elsewhere
-      // At once: rank 0 gave up on the bucket and left. (Over shared memory
+      // At once: rank 0 gave up on the bucket, so its world broke, and it
+      // left. (Over shared memory
       // the bucket itself may still complete here, since rank 0 had posted
       // its part; the next collective cannot.)
       auto start = std::chrono::steady_clock::now();
       expect_error<CollectiveError>(
           [&] { loss.backward(); },
-          {"rank 1: ", " cannot complete: rank 0 closed its world having completed 2 "
+          {"rank 1: ", " cannot complete: rank 0 stopped with an error having completed 2 "
            "collective(s)"});
       EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
     }

@@ -19,6 +19,8 @@
 #include <thread>
 
 #include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/torch.h>
 
@@ -30,6 +32,8 @@
 #include "support/multiprocess.h"
 #include "support/scratch_folder.h"
 #include "support/training.h"
+#include "world/rendezvous.h"
+#include "world/resolve.h"
 
 namespace lockstep::testing {
 namespace {
@@ -146,12 +150,13 @@ TEST(JobIsolation, AJobOnOneHostLeavesNothingBehind) {
 void expect_stranger_refused(
     const std::function<void(RankEnvironment&)>& job_env,
     const std::function<void(RankEnvironment&)>& stranger_env,
-    const std::string& refusal) {
+    const std::string& refusal,
+    const std::string& store = "tcp") {
   ScratchFolder folder("stranger");
   LaunchOptions options;
   options.world_size = 3;
   options.environment = [&](int rank, RankEnvironment& env) {
-    env["LOCKSTEP_STORE"] = "tcp";
+    env["LOCKSTEP_STORE"] = store;
     env["LOCKSTEP_TIMEOUT"] = "20";
     env["WORLD_SIZE"] = "2";
     env["LOCAL_WORLD_SIZE"] = "2";
@@ -195,6 +200,49 @@ TEST(JobIsolation, AnotherJobOnTheSamePortIsRefused) {
       [](RankEnvironment&) {}, [](RankEnvironment& env) { env["LOCKSTEP_JOB_ID"] = "job-b"; },
       "belongs to job 'job-a', not to this job 'job-b' (LOCKSTEP_JOB_ID). Two jobs were given "
       "the same MASTER_ADDR and MASTER_PORT: give each its own port. The other job goes on.");
+}
+
+TEST(JobIsolation, AnotherJobOnTheSamePortIsRefusedOnOneHostToo) {
+  // The file store of a job on one host: a stranger that joined would, on
+  // closing, mark the live job's folder closed.
+  expect_stranger_refused(
+      [](RankEnvironment&) {}, [](RankEnvironment& env) { env["LOCKSTEP_JOB_ID"] = "job-b"; },
+      "is 'job-a', not this job 'job-b' (LOCKSTEP_JOB_ID). Two jobs were given the same "
+      "MASTER_PORT: give each its own port. The other job goes on.",
+      "file");
+}
+
+TEST(JobIsolation, AProofFromAnEarlierAttemptIsRefused) {
+  // torchrun's store outlives a restart, and with it the job's nonce:
+  // whoever can write to it could copy a rank's proven record from attempt
+  // 0 into attempt 1's keys. The proof names the attempt, so it fails.
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  auto config_for = [](int rank, int attempt) {
+    detail::WorldConfig config;
+    config.rank = rank;
+    config.size = 2;
+    config.job_id = "job";
+    config.secret = "s3cret";
+    config.key_prefix = "lockstep/job/" + std::to_string(attempt);
+    config.timeout = std::chrono::seconds(2);
+    config.master_addr = "127.0.0.1";
+    config.master_port = 29999;
+    return config;
+  };
+  auto scoped = [&](int attempt) {
+    return c10::make_intrusive<c10d::PrefixStore>(config_for(0, attempt).key_prefix, store);
+  };
+  const std::string nonce = "the-job-nonce";
+  std::thread rank_one([&] { detail::join(scoped(0), config_for(1, 0), nonce); });
+  detail::join(scoped(0), config_for(0, 0), nonce);
+  rank_one.join();
+  for (const char* key : {"rank/1", "proof/1"}) {
+    store->set(std::string("lockstep/job/1/") + key,
+               store->get(std::string("lockstep/job/0/") + key));
+  }
+  expect_error<RendezvousError>([&] { detail::join(scoped(1), config_for(0, 1), nonce); },
+                                {"the process that joined as rank 1 did not prove that it holds "
+                                 "the job secret"});
 }
 
 TEST(JobIsolation, AProcessWithoutTheSecretIsRefused) {

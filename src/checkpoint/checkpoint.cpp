@@ -108,8 +108,9 @@ void save_checkpoint(
   std::string error;
   if (world.rank() == 0) {
     try {
-      detail::write_checkpoint_file(
-          path, {world.size(), detail::serialize_checkpoint(items, extra, states, hook_states)});
+      detail::write_checkpoint_file(path, world.size(), [&](std::ostream& out) {
+        detail::serialize_checkpoint(items, extra, states, hook_states, out);
+      });
     } catch (const std::exception& e) {
       error = detail::describe_exception(e);
     }
@@ -122,26 +123,29 @@ CheckpointExtra load_checkpoint(
     const std::string& path,
     const CheckpointItems& items,
     CheckpointRead read) {
+  // A rank that reads the file streams it from there; one that is sent the
+  // file holds its bytes once.
   std::string bytes;
   std::string error;
-  if (read == CheckpointRead::EveryRank || world.rank() == 0) {
+  bool broadcast = read == CheckpointRead::RankZeroBroadcasts && world.size() > 1;
+  if (broadcast && world.rank() == 0) {
     try {
       bytes = detail::read_bytes(path);
     } catch (const std::exception& e) {
       error = detail::describe_exception(e);
     }
   }
-  if (read == CheckpointRead::RankZeroBroadcasts) {
+  if (broadcast) {
     agree(world, error, "lockstep: reading the checkpoint " + path);
     detail::broadcast_bytes(world, 0, bytes, "");
   }
   detail::RestoredCheckpoint restored;
   if (error.empty()) {
     try {
-      auto file = detail::parse_checkpoint_bytes(bytes, path);
-      restored = detail::restore_checkpoint(path, file.payload, items, world.rank(),
-                                            world.size());
-      restored.extra.world_size = file.world_size;
+      auto source = broadcast ? detail::checkpoint_in_bytes(bytes, path)
+                              : detail::open_checkpoint_file(path);
+      restored = detail::restore_checkpoint(path, source, items, world.rank(), world.size());
+      restored.extra.world_size = source.world_size;
     } catch (const std::exception& e) {
       error = detail::describe_exception(e);
     }

@@ -124,10 +124,11 @@ std::string serialize_hook_states(const CheckpointItems& items) {
   return out.str();
 }
 
-std::string serialize_checkpoint(const CheckpointItems& items,
-                                 const CheckpointExtra& extra,
-                                 const std::vector<at::Tensor>& generator_states,
-                                 const std::vector<at::Tensor>& hook_states) {
+void serialize_checkpoint(const CheckpointItems& items,
+                          const CheckpointExtra& extra,
+                          const std::vector<at::Tensor>& generator_states,
+                          const std::vector<at::Tensor>& hook_states,
+                          std::ostream& out) {
   torch::serialize::OutputArchive archive;
   archive.write("format", c10::IValue(kFormat));
   archive.write("modules", c10::IValue(join(names(items.modules()))));
@@ -158,9 +159,7 @@ std::string serialize_checkpoint(const CheckpointItems& items,
   for (size_t rank = 0; rank < hook_states.size(); ++rank) {
     archive.write("hooks/" + std::to_string(rank), hook_states[rank]);
   }
-  std::ostringstream out;
   archive.save_to(out);
-  return out.str();
 }
 
 namespace {
@@ -199,13 +198,12 @@ void restore_hook_states(torch::serialize::InputArchive& archive, const std::str
 } // namespace
 
 RestoredCheckpoint restore_checkpoint(const std::string& path,
-                                      const std::string& payload,
+                                      const CheckpointSource& source,
                                       const CheckpointItems& items,
                                       int rank,
                                       int world_size) {
   torch::serialize::InputArchive archive;
-  std::istringstream in(payload);
-  archive.load_from(in);
+  archive.load_from(source.read, [&source] { return source.payload_bytes; });
   RestoredCheckpoint restored;
   c10::IValue value;
   if (archive.try_read("format", value)) {

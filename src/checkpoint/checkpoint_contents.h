@@ -5,6 +5,7 @@
 // must match on load), the named optimizers, the extra values, and the
 // random generator state of each rank that wrote it.
 
+#include <iosfwd>
 #include <string>
 #include <vector>
 
@@ -12,15 +13,19 @@
 
 #include <lockstep/checkpoint.h>
 
+#include "checkpoint/checkpoint_file.h"
+
 namespace lockstep::detail {
 
-/// The payload of the items, `extra`, `generator_states` (one per rank) and
-/// `hook_states` (one per rank, as serialize_hook_states made them; none
-/// when the items hold no hook state).
-std::string serialize_checkpoint(const CheckpointItems& items,
-                                 const CheckpointExtra& extra,
-                                 const std::vector<at::Tensor>& generator_states,
-                                 const std::vector<at::Tensor>& hook_states);
+/// Writes to `out` the payload of the items, `extra`, `generator_states`
+/// (one per rank) and `hook_states` (one per rank, as serialize_hook_states
+/// made them; none when the items hold no hook state), streamed from the
+/// items' own tensors.
+void serialize_checkpoint(const CheckpointItems& items,
+                          const CheckpointExtra& extra,
+                          const std::vector<at::Tensor>& generator_states,
+                          const std::vector<at::Tensor>& hook_states,
+                          std::ostream& out);
 
 /// This rank's hook states, as bytes.
 std::string serialize_hook_states(const CheckpointItems& items);
@@ -34,11 +39,11 @@ struct RestoredCheckpoint {
   int64_t generator_ranks = 0;
 };
 
-/// Restores `payload` into the items' own tensors, after checking that it
-/// holds every item, saved from the same model. Raises CheckpointError
-/// naming the item and the difference.
+/// Restores the payload of `source` into the items' own tensors, after
+/// checking that it holds every item, saved from the same model. Raises
+/// CheckpointError naming the item and the difference.
 RestoredCheckpoint restore_checkpoint(const std::string& path,
-                                      const std::string& payload,
+                                      const CheckpointSource& source,
                                       const CheckpointItems& items,
                                       int rank,
                                       int world_size);

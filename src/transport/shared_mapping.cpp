@@ -181,9 +181,12 @@ void* create_and_offer(const Handshake& shake, size_t bytes, std::string& failur
   if (failure.empty()) {
     offer = std::make_unique<FdOffer>(failure);
   }
+  const auto& group = shake.group;
+  if (!failure.empty()) {
+    failure = str("rank ", group.ranks[0], ": ", failure);
+  }
   store_set(shake.store, shake.where(), failure.empty() ? "socket " + offer->name()
                                                         : "!" + failure);
-  const auto& group = shake.group;
   try {
     if (failure.empty()) {
       std::vector<int> others(group.pids.begin() + 1, group.pids.end());

@@ -37,6 +37,7 @@ namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
 constexpr const char* kOwnerFile = "owner";
+constexpr const char* kJobFile = "job";
 constexpr const char* kClosedFile = "closed";
 constexpr const char* kStoreFile = "store";
 constexpr const char* kLedgerFile = "ledger";
@@ -169,6 +170,7 @@ class HostJobStore : public JobStore {
     fs::remove_all(draft, ignored);
     fs::create_directory(draft, ignored);
     std::ofstream(draft / kOwnerFile) << this_process().to_record() << "\n";
+    std::ofstream(draft / kJobFile) << config.job_id << "\n";
     create_mapped_board((draft / kLedgerFile).string(), config.size);
     std::error_code renamed;
     fs::rename(draft, folder_, renamed);
@@ -189,6 +191,14 @@ class HostJobStore : public JobStore {
       std::this_thread::sleep_for(pause);
       pause = std::min(pause * 2, std::chrono::milliseconds(50));
     }
+    // As the TCP store checks: a rank of another job told the same port
+    // refuses itself before it writes anything, and that job goes on.
+    std::string job = read_file(folder_ / kJobFile);
+    LOCKSTEP_ENFORCE(
+        job == config.job_id, RendezvousError, "rank ", config.rank, " was refused: the job "
+        "on this host at MASTER_PORT=", config.master_port, " is '", job, "', not this job '",
+        config.job_id, "' (LOCKSTEP_JOB_ID). Two jobs were given the same MASTER_PORT: give "
+        "each its own port. The other job goes on.");
   }
 
   int size_;

@@ -133,8 +133,11 @@ std::vector<ProcessIdentity> join(const c10::intrusive_ptr<c10d::Store>& store,
                                   const WorldConfig& config,
                                   const std::string& nonce) {
   bool proving = !config.secret.empty() && !nonce.empty();
+  // Bound to the attempt (the key prefix names the job and its restart
+  // count): the job's record and nonce outlive a restart in torchrun's
+  // store, and a proof copied from an earlier attempt must not pass.
   auto claim = [&](int rank, const std::string& record) {
-    return str("rank|", config.job_id, "|", nonce, "|", rank, "|", record);
+    return str("rank|", config.key_prefix, "|", nonce, "|", rank, "|", record);
   };
   try {
     for (const auto& problem :
