@@ -6,7 +6,9 @@
 // sum as the dtype allows and the same bits on every rank; broadcast and
 // all_gather bit for bit. Over float32, float64, bfloat16 and float16,
 // sizes from one element to a million (odd ones included) and, when `large`,
-// float32 at 64 MiB; the program's own tensors and World::allocate's.
+// float32 at 64 MiB; the program's own tensors and World::allocate's; views
+// of every kind (narrow, select, transpose: the view's elements change and
+// nothing else), and an expanded tensor refused.
 // Used by the transport tests and, across network namespaces, by
 // tests/programs/check_collectives.
 

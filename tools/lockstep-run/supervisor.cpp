@@ -125,6 +125,7 @@ void spawn(Rank& rank, const RunOptions& options, int local, int attempt, int po
   ::sigaddset(&forwarded, SIGINT);
   ::sigaddset(&forwarded, SIGTERM);
   ::sigprocmask(SIG_BLOCK, &forwarded, &previous);
+  pid_t launcher = ::getpid();
   rank.pid = ::fork();
   if (rank.pid == 0) {
     ::signal(SIGINT, SIG_DFL);
@@ -133,6 +134,9 @@ void spawn(Rank& rank, const RunOptions& options, int local, int attempt, int po
     // A rank dies with its launcher: killing a node's launcher stops that
     // node's part of the job instead of leaving orphans.
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != launcher) {
+      ::_exit(1); // the launcher died before the request took hold
+    }
     // Its own process group, so that stopping a rank stops what it started.
     ::setpgid(0, 0);
     ::dup2(pipe_fds[1], STDOUT_FILENO);
@@ -207,6 +211,9 @@ int pick_free_port() {
   socklen_t length = sizeof(address);
   if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&address), length) != 0 ||
       ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
+    if (fd >= 0) {
+      ::close(fd);
+    }
     throw std::runtime_error("cannot find a free port");
   }
   ::close(fd);
