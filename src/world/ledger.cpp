@@ -101,9 +101,10 @@ void Ledger::check_peers(uint64_t seq, const std::string& what) {
   // come, and the store's host need not wait for it.
   close(seq - 1, /*failed=*/true,
         gone.empty() ? "" : gone + " exited without closing its world");
-  // A rank that left the loop early is the cause; ranks that failed since
-  // (this one among them, for the others) are what followed.
-  if (closed_early.empty() && !failed.empty()) {
+  // A rank that left the loop early, or whose process is gone, is the
+  // cause; ranks that failed since (this one among them, for the others)
+  // are what followed.
+  if (closed_early.empty() && gone.empty()) {
     LOCKSTEP_FAIL(
         CollectiveError, "rank ", rank_, ": ", what, " #", seq, " cannot complete: ", failed,
         ", so it will never complete this one; its own output says why.");
