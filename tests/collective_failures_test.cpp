@@ -61,17 +61,8 @@ class CollectiveFailures : public ::testing::TestWithParam<WorldSetup> {
   }
 };
 
-std::vector<WorldSetup> failure_setups() {
-  std::vector<WorldSetup> setups;
-  for (const auto& setup : every_world_setup()) {
-    if (setup.size == 2 || setup.size == 3) {
-      setups.push_back(setup);
-    }
-  }
-  return setups;
-}
-
-INSTANTIATE_TEST_SUITE_P(WorldSetups, CollectiveFailures, ::testing::ValuesIn(failure_setups()),
+INSTANTIATE_TEST_SUITE_P(WorldSetups, CollectiveFailures,
+                         ::testing::ValuesIn(two_and_three_rank_setups()),
                          [](const auto& info) { return info.param.name(); });
 
 TEST_P(CollectiveFailures, AFailedWaitFailsAgainAndTheWorldRefusesWhatFollowsAtOnce) {

@@ -35,17 +35,7 @@ class CommHooks : public ::testing::TestWithParam<WorldSetup> {
   }
 };
 
-std::vector<WorldSetup> hook_setups() {
-  std::vector<WorldSetup> setups;
-  for (const auto& setup : every_world_setup()) {
-    if (setup.size == 2 || setup.size == 3) {
-      setups.push_back(setup);
-    }
-  }
-  return setups;
-}
-
-INSTANTIATE_TEST_SUITE_P(WorldSetups, CommHooks, ::testing::ValuesIn(hook_setups()),
+INSTANTIATE_TEST_SUITE_P(WorldSetups, CommHooks, ::testing::ValuesIn(two_and_three_rank_setups()),
                          [](const auto& info) { return info.param.name(); });
 
 // Small buckets, so that the MLP's six parameters travel in several.

@@ -49,7 +49,8 @@ std::string folder_of(const std::string& path) {
 // payload and rewritten, once its length and checksum are known, in place.
 std::string header_of(int64_t world_size, uint64_t payload_bytes, uint64_t checksum) {
   char fields[128];
-  std::snprintf(fields, sizeof(fields), "world_size %lld\npayload_bytes %020llu\nfnv1a64 %016llx\n\n",
+  std::snprintf(fields, sizeof(fields),
+                "world_size %lld\npayload_bytes %020llu\nfnv1a64 %016llx\n\n",
                 static_cast<long long>(world_size), static_cast<unsigned long long>(payload_bytes),
                 static_cast<unsigned long long>(checksum));
   return kMagic + std::string(fields);
@@ -81,9 +82,6 @@ class PayloadWriter : public std::streambuf {
   }
   uint64_t checksum() const {
     return checksum_;
-  }
-  void flush_all() {
-    flush_buffer();
   }
 
  protected:
@@ -201,7 +199,7 @@ void write_checkpoint_file(const std::string& path,
     PayloadWriter payload(fd, static_cast<off_t>(header.size()), temp);
     std::ostream out(&payload);
     write_payload(out);
-    payload.flush_all();
+    out.flush();
     LOCKSTEP_ENFORCE(out.good(), CheckpointError, "cannot serialise the checkpoint into ", temp,
                      ".");
     header = header_of(world_size, payload.bytes(), payload.checksum());

@@ -1,8 +1,6 @@
 #include "compat/c10d.h"
 
-#include <algorithm>
 #include <cstdlib>
-#include <thread>
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -181,26 +179,6 @@ void when_done(c10d::Work& work, std::function<void()> callback) {
 
 void wait_work(c10d::Work& work, std::chrono::milliseconds timeout) {
   work.wait(timeout);
-}
-
-bool wait_work_for(c10d::Work& work, std::chrono::milliseconds slice) {
-  // Never work.wait(slice): to c10d a zero slice means no limit at all, and
-  // every slice that runs out throws a c10::Error, which captures and
-  // symbolises a backtrace. isCompleted() is also true for a failed work,
-  // whose wait() then rethrows its failure.
-  auto deadline = std::chrono::steady_clock::now() + slice;
-  auto pause = std::chrono::microseconds(20);
-  while (!work.isCompleted()) {
-    auto now = std::chrono::steady_clock::now();
-    if (now >= deadline) {
-      return false;
-    }
-    std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(pause,
-                                                                               deadline - now));
-    pause = std::min(pause * 2, std::chrono::microseconds(1000));
-  }
-  work.wait();
-  return true;
 }
 
 } // namespace lockstep::detail

@@ -112,8 +112,4 @@ void when_done(c10d::Work& work, std::function<void()> callback);
 /// Waits for `work` at most `timeout`; rethrows the backend's failure.
 void wait_work(c10d::Work& work, std::chrono::milliseconds timeout);
 
-/// Waits for `work` at most `slice`: true when it completed, false when it
-/// still runs; rethrows the backend's failure.
-bool wait_work_for(c10d::Work& work, std::chrono::milliseconds slice);
-
 } // namespace lockstep::detail

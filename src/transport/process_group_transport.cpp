@@ -1,6 +1,8 @@
 #include "transport/process_group_transport.h"
 
 #include <atomic>
+#include <condition_variable>
+#include <mutex>
 
 #include <ATen/ATen.h>
 // 2.x: Backend.hpp comes with it.
@@ -12,21 +14,39 @@
 namespace lockstep::detail {
 namespace {
 
+// Set by the backend's callback, which may outlive the work that waits.
+struct Completion {
+  std::mutex mutex;
+  std::condition_variable done_changed;
+  bool done = false;
+  std::atomic<int64_t> ns{0};
+};
+
 class ProcessGroupWork : public TransportWork {
  public:
   // `travelling` is what the backend moves: `result` itself, or a copy in
   // a type the backend can reduce, copied back on completion.
   ProcessGroupWork(c10::intrusive_ptr<c10d::Work> work, at::Tensor result, at::Tensor travelling)
       : work_(std::move(work)), result_(std::move(result)), travelling_(std::move(travelling)) {
-    if (timeline::enabled()) {
-      when_done(*work_, [completed = completed_] { completed->store(steady_now_ns()); });
-    }
+    // Waiting on the backend's completion, never on work.wait(slice): to
+    // c10d a zero slice means no limit, and every slice that runs out
+    // throws a c10::Error, which captures and symbolises a backtrace.
+    when_done(*work_, [completion = completion_] {
+      completion->ns.store(steady_now_ns());
+      std::lock_guard<std::mutex> lock(completion->mutex);
+      completion->done = true;
+      completion->done_changed.notify_all();
+    });
   }
 
   bool wait_for(std::chrono::milliseconds slice) override {
-    if (!wait_work_for(*work_, slice)) {
-      return false;
+    {
+      std::unique_lock<std::mutex> lock(completion_->mutex);
+      if (!completion_->done_changed.wait_for(lock, slice, [&] { return completion_->done; })) {
+        return false;
+      }
     }
+    wait_work(*work_, kNoLimit); // completed, or failed: rethrows the backend's failure
     if (result_.defined() && !travelling_.is_same(result_)) {
       result_.copy_(travelling_);
     }
@@ -43,15 +63,17 @@ class ProcessGroupWork : public TransportWork {
   }
 
   int64_t completed_ns() const override {
-    return completed_->load();
+    return completion_->ns.load();
   }
 
  private:
+  // c10d's "no timeout"; the work has completed when it is used.
+  static constexpr std::chrono::milliseconds kNoLimit{0};
+
   c10::intrusive_ptr<c10d::Work> work_;
   at::Tensor result_;
   at::Tensor travelling_;
-  // Set by the backend's callback, which may outlive this.
-  std::shared_ptr<std::atomic<int64_t>> completed_ = std::make_shared<std::atomic<int64_t>>(0);
+  std::shared_ptr<Completion> completion_ = std::make_shared<Completion>();
 };
 
 } // namespace

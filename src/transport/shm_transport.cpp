@@ -107,7 +107,8 @@ std::unique_ptr<TransportWork> ShmTransport::alongside(std::unique_ptr<Transport
   return std::make_unique<AlongsideWork>(shared_from_this(), std::move(work));
 }
 
-std::unique_ptr<TransportWork> ShmTransport::begin(const std::function<std::unique_ptr<ShmOp>()>& make) {
+std::unique_ptr<TransportWork> ShmTransport::begin(
+    const std::function<std::unique_ptr<ShmOp>()>& make) {
   std::shared_ptr<ShmOp> op;
   {
     // Made under the lock: an operation numbers its rounds when it is made,

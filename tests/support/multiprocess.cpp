@@ -233,6 +233,16 @@ std::vector<WorldSetup> every_world_setup() {
   return setups;
 }
 
+std::vector<WorldSetup> two_and_three_rank_setups() {
+  std::vector<WorldSetup> setups;
+  for (const auto& setup : every_world_setup()) {
+    if (setup.size == 2 || setup.size == 3) {
+      setups.push_back(setup);
+    }
+  }
+  return setups;
+}
+
 void run_ranks(
     const WorldSetup& setup,
     const std::function<void(int rank)>& body,

@@ -78,6 +78,9 @@ void PrintTo(const WorldSetup& setup, std::ostream* out);
 
 /// World sizes 1 to 4; from 2 on, once over shared memory and once over Gloo.
 std::vector<WorldSetup> every_world_setup();
+/// World sizes 2 and 3, each over shared memory and over Gloo: where the
+/// number of ranks matters, without the time of 1 and 4.
+std::vector<WorldSetup> two_and_three_rank_setups();
 
 /// run_ranks with `setup`'s size and transport.
 void run_ranks(
