@@ -2,6 +2,7 @@
 // bad command lines.
 
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <fstream>
@@ -11,6 +12,7 @@
 
 #include "support/process.h"
 #include "support/scratch_folder.h"
+#include "world/process_identity.h"
 
 namespace lockstep::testing {
 namespace {
@@ -117,6 +119,36 @@ TEST(Launcher, ARankThatIgnoresSigtermIsKilledAfterTheGrace) {
                         "if [ $RANK = 0 ]; then exit 1; fi; trap '' TERM; sleep 60"});
   EXPECT_LT(Clock::now() - start, std::chrono::seconds(5));
   EXPECT_EQ(result.exit_code, 1);
+}
+
+TEST(Launcher, ALauncherKilledWhileItStartsItsRanksLeavesNoneBehind) {
+  // A rank dies with its launcher (PR_SET_PDEATHSIG), including one forked
+  // just before the launcher died, before the rank could ask for that: it
+  // looks at its parent once more after asking. Killed at moments spread
+  // over the start of 4 ranks.
+  ScratchFolder folder("orphans");
+  ASSERT_FALSE(folder.path().empty());
+  for (int delay_ms : {0, 1, 2, 3, 5, 8, 12, 20}) {
+    SCOPED_TRACE(delay_ms);
+    std::string marks = folder / std::to_string(delay_ms);
+    ASSERT_EQ(::mkdir(marks.c_str(), 0700), 0);
+    Process launcher({LOCKSTEP_RUN_BINARY, "--nproc-per-node", "4", "--", "sh", "-c",
+                      "echo $$ > " + marks + "/pid-$RANK; exec sleep 30"},
+                     {});
+    std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+    ::kill(launcher.pid(), SIGKILL);
+    launcher.wait_until(Clock::now() + std::chrono::seconds(10));
+    // A rank that outlived it has written its pid by then.
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    for (int rank = 0; rank < 4; ++rank) {
+      int pid = 0;
+      std::ifstream(marks + "/pid-" + std::to_string(rank)) >> pid;
+      if (pid > 0 && ::kill(pid, 0) == 0 && detail::process_state(pid) != 'Z') {
+        ADD_FAILURE() << "rank " << rank << " (pid " << pid << ") outlived its launcher";
+        ::kill(pid, SIGKILL);
+      }
+    }
+  }
 }
 
 TEST(Launcher, ForwardsSigintToEveryRank) {

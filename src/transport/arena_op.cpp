@@ -3,12 +3,14 @@
 // them and writes the sum back into all of them; across hosts, that slice
 // is all-reduced with the other hosts' in between.
 
+#include <algorithm>
 #include <cstring>
 
 #include <ATen/ATen.h>
 
 #include <lockstep/error.h>
 
+#include "timeline/recorder.h"
 #include "transport/shm_reduce.h"
 
 namespace lockstep::detail {
@@ -46,18 +48,25 @@ class ArenaOp : public ShmOp {
       reduce_my_slice(context);
       auto [first, last] = slice_of(elements_, ranks, context.me);
       if (across_ != nullptr && last > first) {
+        crossing_ = Crossing{timeline::Clock::now(), context.take_crossing_lane(),
+                             (last - first) * static_cast<int64_t>(c10::elementSize(type_))};
         across_work_ = across_->all_reduce(slice(0, first, last), op_);
       }
       phase_ = Phase::Across;
     }
     if (phase_ == Phase::Across) {
       try {
+        // Only looks: while this slice crosses, the transport goes on with
+        // the operations queued after this one.
         if (across_work_ && !across_work_->wait_for(std::chrono::milliseconds(0))) {
           return false;
         }
       } catch (...) {
         failure = std::current_exception();
         return false;
+      }
+      if (across_work_) {
+        crossed(context);
       }
       push_my_slice(context);
       arena_->reduced(context.me).post(number_);
@@ -93,6 +102,23 @@ class ArenaOp : public ShmOp {
 
  private:
   enum class Phase { Reduce, Across, Complete };
+
+  struct Crossing {
+    timeline::Clock::time_point begin;
+    int lane = 0;
+    int64_t bytes = 0;
+  };
+
+  void crossed(ShmContext& context) {
+    context.free_crossing_lane(crossing_.lane);
+    if (timeline::enabled()) {
+      auto end = timeline::Clock::time_point(std::chrono::nanoseconds(across_work_->completed_ns()));
+      timeline::record(str("crossing hosts ", crossing_.lane + 1),
+                       str("all_reduce of a ", crossing_.bytes >> 10, " KiB slice"),
+                       crossing_.begin, std::max(end, crossing_.begin),
+                       {{"operation", std::to_string(number_)}});
+    }
+  }
 
   at::Tensor slice(int p, int64_t first, int64_t last) const {
     auto element_bytes = static_cast<int64_t>(c10::elementSize(type_));
@@ -149,6 +175,7 @@ class ArenaOp : public ShmOp {
   std::unique_ptr<TransportWork> across_work_;
   uint64_t number_ = 0;
   Phase phase_ = Phase::Reduce;
+  Crossing crossing_;
 };
 
 } // namespace

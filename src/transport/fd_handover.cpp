@@ -88,9 +88,8 @@ FdOffer::~FdOffer() {
 std::vector<int> FdOffer::serve(int fd,
                                 std::vector<int> pids,
                                 Clock::time_point deadline,
-                                const std::function<void()>& check) {
-  while (!pids.empty() && Clock::now() < deadline) {
-    check();
+                                const std::function<bool()>& keep_serving) {
+  while (!pids.empty() && Clock::now() < deadline && keep_serving()) {
     pollfd waiting{listener_, POLLIN, 0};
     if (::poll(&waiting, 1, std::min(50, milliseconds_until(deadline))) <= 0) {
       continue;

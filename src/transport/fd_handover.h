@@ -28,12 +28,13 @@ class FdOffer {
   }
 
   /// Hands `fd` to each process of `pids` that asks before `deadline`,
-  /// turning away any other; calls `check` between looks (it may throw).
-  /// Returns the pids that never asked.
+  /// turning away any other; between looks, stops early when
+  /// `keep_serving` returns false (it may also throw). Returns the pids
+  /// that were not served.
   std::vector<int> serve(int fd,
                          std::vector<int> pids,
                          std::chrono::steady_clock::time_point deadline,
-                         const std::function<void()>& check);
+                         const std::function<bool()>& keep_serving);
 
  private:
   int listener_ = -1;

@@ -127,6 +127,10 @@ SharedMapping::~SharedMapping() {
 
 namespace {
 
+constexpr const char* kOk = "ok";
+constexpr const char* kFallBack = "fall back: ";
+constexpr const char* kFail = "fail: ";
+
 // The keys of one shared segment, and the rule that the creating rank
 // alone decides whether the group uses it: every rank reads that one
 // verdict, so that none maps while another falls back.
@@ -162,11 +166,18 @@ struct Handshake {
   bool await(const std::string& name) const {
     return await_key(store, name, deadline, [this] { check_peers(); });
   }
-};
 
-constexpr const char* kOk = "ok";
-constexpr const char* kFallBack = "fall back: ";
-constexpr const char* kFail = "fail: ";
+  // Whether a rank of the group has said that it failed: one that could not
+  // take the segment says so before it is served, and will not ask again.
+  bool a_rank_failed() const {
+    for (size_t i = 1; i < group.ranks.size(); ++i) {
+      if (store.check({status(i)}) && text(store.get(status(i))) != kOk) {
+        return true;
+      }
+    }
+    return false;
+  }
+};
 
 // The creating rank: makes the segment, hands it to the group's processes,
 // hears how each fared, and decides.
@@ -188,19 +199,21 @@ void* create_and_offer(const Handshake& shake, size_t bytes, std::string& failur
   store_set(shake.store, shake.where(), failure.empty() ? "socket " + offer->name()
                                                         : "!" + failure);
   try {
+    std::vector<int> unserved;
     if (failure.empty()) {
       std::vector<int> others(group.pids.begin() + 1, group.pids.end());
-      auto missing = offer->serve(file.fd, others, shake.deadline, [&] { shake.check_peers(); });
-      if (!missing.empty()) {
-        size_t index = static_cast<size_t>(
-            std::find(group.pids.begin(), group.pids.end(), missing.front()) -
-            group.pids.begin());
-        failure = str("rank ", group.ranks[index], " did not take the shared segment in time");
-      }
+      unserved = offer->serve(file.fd, others, shake.deadline, [&] {
+        shake.check_peers();
+        return !shake.a_rank_failed();
+      });
     }
     // Everyone says how it went; the first failure, in rank order, decides.
     for (size_t i = 1; i < group.ranks.size() && failure.empty(); ++i) {
-      if (!shake.await(shake.status(i))) {
+      bool served =
+          std::find(unserved.begin(), unserved.end(), group.pids[i]) == unserved.end();
+      if (!served && !shake.store.check({shake.status(i)})) {
+        failure = str("rank ", group.ranks[i], " did not take the shared segment in time");
+      } else if (!shake.await(shake.status(i))) {
         failure = str("rank ", group.ranks[i], " did not map the shared segment in time");
       } else if (std::string status = text(shake.store.get(shake.status(i))); status != kOk) {
         failure = str("rank ", group.ranks[i], ": ", status);

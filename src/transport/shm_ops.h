@@ -32,6 +32,10 @@ struct ShmContext {
   bool posted = false;
   /// float32 room for reducing float16 and bfloat16 in float32.
   at::Tensor scratch(int64_t elements);
+  /// The timeline's lanes for collectives across hosts: one span a lane,
+  /// so that crossings in flight together appear side by side.
+  int take_crossing_lane();
+  void free_crossing_lane(int lane);
 
   int size() const {
     return static_cast<int>(ranks.size());
@@ -39,6 +43,7 @@ struct ShmContext {
 
  private:
   at::Tensor scratch_;
+  std::vector<bool> crossing_lanes_;
 };
 
 class ShmOp {
@@ -49,7 +54,8 @@ class ShmOp {
   /// The ranks this operation waits for, and what for.
   virtual std::string waiting_for(const ShmContext& context) const = 0;
   /// Whether it waits for something that rings no doorbell (a collective
-  /// across hosts): its waiter then looks often instead of sleeping.
+  /// across hosts): its waiter then looks often instead of sleeping, and
+  /// the operations queued after it may begin meanwhile.
   virtual bool waits_outside() const {
     return false;
   }

@@ -1,5 +1,7 @@
 #include "transport/shm_reduce.h"
 
+#include <algorithm>
+
 #include <ATen/ATen.h>
 
 #include "common/wording.h"
@@ -41,6 +43,19 @@ at::Tensor ShmContext::scratch(int64_t elements) {
     scratch_ = at::empty({elements}, at::kFloat);
   }
   return scratch_.narrow(0, 0, elements);
+}
+
+int ShmContext::take_crossing_lane() {
+  auto free = std::find(crossing_lanes_.begin(), crossing_lanes_.end(), false);
+  if (free == crossing_lanes_.end()) {
+    free = crossing_lanes_.insert(free, false);
+  }
+  *free = true;
+  return static_cast<int>(free - crossing_lanes_.begin());
+}
+
+void ShmContext::free_crossing_lane(int lane) {
+  crossing_lanes_.at(static_cast<size_t>(lane)) = false;
 }
 
 at::Tensor view(char* data, int64_t elements, at::ScalarType type) {

@@ -1,5 +1,7 @@
 #include "transport/shm_transport.h"
 
+#include <algorithm>
+
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
@@ -122,10 +124,21 @@ std::unique_ptr<TransportWork> ShmTransport::begin(
 }
 
 void ShmTransport::progress() {
-  while (!queue_.empty() && !queue_.front()->failure && queue_.front()->advance(context_)) {
-    queue_.front()->done = true;
-    queue_.front()->completed_ns = steady_now_ns();
-    queue_.pop_front();
+  // In queue order, so that every rank starts them, and their collectives
+  // across hosts, in one order. One that waits for its crossing lets the
+  // next begin: consecutive buckets cross the link together, and may
+  // complete out of order.
+  for (auto it = queue_.begin(); it != queue_.end() && !(*it)->failure;) {
+    ShmOp& op = **it;
+    if (op.advance(context_)) {
+      op.done = true;
+      op.completed_ns = steady_now_ns();
+      it = queue_.erase(it);
+    } else if (op.waits_outside() && !op.failure) {
+      ++it;
+    } else {
+      break;
+    }
   }
   if (context_.posted) {
     context_.posted = false;
@@ -145,14 +158,21 @@ bool ShmTransport::wait_for(ShmOp& op, std::chrono::milliseconds slice) {
       if (op.done) {
         return true;
       }
-      if (queue_.front()->failure) {
-        std::rethrow_exception(queue_.front()->failure); // nothing after it completes
+      // Nothing at or after a failed operation completes.
+      for (const auto& queued : queue_) {
+        if (queued->failure) {
+          std::rethrow_exception(queued->failure);
+        }
+        if (queued.get() == &op) {
+          break;
+        }
       }
     }
     bool outside = false;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      outside = !queue_.empty() && queue_.front()->waits_outside();
+      outside = std::any_of(queue_.begin(), queue_.end(),
+                            [](const auto& queued) { return queued->waits_outside(); });
     }
     auto until = outside ? std::min(deadline, std::chrono::steady_clock::now() + kOutsidePoll)
                          : deadline;

@@ -151,6 +151,9 @@ struct World::Impl : std::enable_shared_from_this<World::Impl> {
 namespace {
 
 constexpr auto kWaitSlice = std::chrono::milliseconds(100);
+// How long a collective that failed in its transport waits for a peer's
+// explanation before it says what the transport said.
+constexpr auto kExplainGrace = std::chrono::seconds(1);
 
 // An average of 16-bit floats is divided before it is summed: a backend
 // that adds them in their own format (Gloo's float16) would otherwise
@@ -213,11 +216,21 @@ void complete_or_explain(
     throw;
   } catch (const std::exception& e) {
     std::string cause = detail::describe_exception(e);
-    if (impl.ledger) {
-      impl.ledger->check_peers(seq, operation); // a peer that closed says more
-    }
     if (cause.find("imed out") != std::string::npos) {
       timed_out(cause); // the backend's own limit, which is the world's
+    }
+    if (impl.ledger) {
+      // A closed connection arrives before the word of the peer that saw
+      // why (a rank beside the one that died, on another host): a peer
+      // that closes within the grace says more than the backend.
+      auto until = std::chrono::steady_clock::now() + kExplainGrace;
+      while (true) {
+        impl.ledger->check_peers(seq, operation);
+        if (std::chrono::steady_clock::now() >= until) {
+          break;
+        }
+        std::this_thread::sleep_for(kWaitSlice);
+      }
     }
     LOCKSTEP_FAIL(
         CollectiveError, "rank ", config.rank, ": ", what, " failed: ",

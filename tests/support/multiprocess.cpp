@@ -1,10 +1,12 @@
 #include "support/multiprocess.h"
 
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <cstdlib>
+#include <filesystem>
 #include <iostream>
 #include <sstream>
 
@@ -133,20 +135,69 @@ bool in_rank_process() {
   return std::getenv(kRankVariable) != nullptr;
 }
 
-int free_port() {
+namespace {
+
+int unused_port_from_kernel() {
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in address{};
   address.sin_family = AF_INET;
   address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   address.sin_port = 0;
   socklen_t length = sizeof(address);
-  if (fd < 0 ||
-      ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
+  bool found = fd >= 0 &&
+      ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0;
+  if (fd >= 0) {
+    ::close(fd);
+  }
+  if (!found) {
     throw std::runtime_error("cannot find a free port");
   }
-  ::close(fd);
   return ntohs(address.sin_port);
+}
+
+// True when no test process of this user took `port` in the last minutes.
+// The kernel may hand a port that one test has just probed and released to
+// another test running beside it (ctest -j), before the first one's rank 0
+// binds it: the second test's ranks then meet the first test's store (seen
+// in CI as a rank connecting to another test's file-store port and waiting
+// for an answer). A file per port, created exclusively, records the claim.
+bool claim_for_this_test(int port) {
+  namespace fs = std::filesystem;
+  fs::path folder = fs::temp_directory_path() /
+      ("lockstep-test-ports-" + std::to_string(::getuid()));
+  std::error_code ignored;
+  fs::create_directories(folder, ignored);
+  // Claims older than any test are swept once per process.
+  static bool swept = false;
+  for (fs::directory_iterator it(folder, ignored), end; !swept && !ignored && it != end;
+       it.increment(ignored)) {
+    auto written = fs::last_write_time(it->path(), ignored);
+    if (!ignored && fs::file_time_type::clock::now() - written > std::chrono::minutes(10)) {
+      fs::remove(it->path(), ignored);
+    }
+    ignored.clear();
+  }
+  swept = true;
+  fs::path claim = folder / std::to_string(port);
+  int fd = ::open(claim.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_NOFOLLOW, 0600);
+  if (fd < 0) {
+    return false;
+  }
+  ::close(fd);
+  return true;
+}
+
+}  // namespace
+
+int free_port() {
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    int port = unused_port_from_kernel();
+    if (claim_for_this_test(port)) {
+      return port;
+    }
+  }
+  throw std::runtime_error("cannot find a port that no other test has just taken");
 }
 
 LaunchResult launch_ranks(
