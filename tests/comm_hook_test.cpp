@@ -3,11 +3,13 @@
 // against the float32 average within the formats' rounding, over shared
 // memory and Gloo.
 
+#include <cmath>
+#include <tuple>
+#include <vector>
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
-
-#include <cmath>
 
 #include <lockstep/lockstep.h>
 
@@ -241,12 +243,17 @@ TEST_P(CommHooks, SixteenBitCompressionIsTheAverageWithinTheFormatsRounding) {
 namespace lockstep::testing {
 namespace {
 
+// Each wrapper around the plain all-reduce, with its format's significant
+// bits.
+std::vector<std::tuple<const char*, CommHook, int>> sixteen_bit_wrappers_of_allreduce() {
+  return {{"fp16 wrapper", hooks::fp16_wrapper(hooks::allreduce()), 11},
+          {"bf16 wrapper", hooks::bf16_wrapper(hooks::allreduce()), 8}};
+}
+
 TEST_P(CommHooks, AWrapperSendsWhatTheInnerHookSendsAtSixteenBits) {
   run([](int rank) {
     World world = init();
-    for (auto [name, hook, bits] :
-         {std::tuple{"fp16 wrapper", hooks::fp16_wrapper(hooks::allreduce()), 11},
-          {"bf16 wrapper", hooks::bf16_wrapper(hooks::allreduce()), 8}}) {
+    for (auto [name, hook, bits] : sixteen_bit_wrappers_of_allreduce()) {
       torch::manual_seed(9);
       Mlp model;
       torch::manual_seed(9);
@@ -284,9 +291,7 @@ TEST_P(CommHooks, AWrapperKeepsGradientsNearTheFormatsLargestValueFinite) {
   // largest value (65504), their average does not.
   run([](int rank) {
     World world = init();
-    for (auto [name, hook, bits] :
-         {std::tuple{"fp16 wrapper", hooks::fp16_wrapper(hooks::allreduce()), 11},
-          {"bf16 wrapper", hooks::bf16_wrapper(hooks::allreduce()), 8}}) {
+    for (auto [name, hook, bits] : sixteen_bit_wrappers_of_allreduce()) {
       torch::manual_seed(9);
       torch::nn::Linear model(torch::nn::LinearOptions(4, 3).bias(false));
       torch::nn::Linear local(torch::nn::LinearOptions(4, 3).bias(false));
