@@ -54,7 +54,8 @@ void write_module(torch::serialize::OutputArchive& archive, const std::string& p
   int64_t index = 0;
   for (const auto* group : {&params, &buffers}) {
     for (const auto& entry : *group) {
-      archive.write(prefix + "t" + std::to_string(index++), entry.tensor.detach());
+      // From the host: the file does not depend on the device it came from.
+      archive.write(prefix + "t" + std::to_string(index++), entry.tensor.detach().to(at::kCPU));
     }
   }
 }
@@ -164,11 +165,25 @@ void serialize_checkpoint(const CheckpointItems& items,
 
 namespace {
 
+at::Device model_device(const CheckpointItems& items) {
+  for (const auto& [name, module] : items.modules()) {
+    std::vector<NamedTensor> params;
+    std::vector<NamedTensor> buffers;
+    named_state(*module, params, buffers);
+    for (const auto* group : {&params, &buffers}) {
+      if (!group->empty()) {
+        return group->front().tensor.device();
+      }
+    }
+  }
+  return at::kCPU;
+}
+
 // Each hook state from this rank's part of the file; at another world size,
 // from rank 0's, without its error feedback.
 void restore_hook_states(torch::serialize::InputArchive& archive, const std::string& path,
                          const CheckpointItems& items, int rank, int world_size,
-                         int64_t saved_ranks) {
+                         int64_t saved_ranks, const at::Device& device) {
   c10::IValue value;
   std::vector<std::string> saved;
   if (archive.try_read("hooks", value)) {
@@ -181,10 +196,11 @@ void restore_hook_states(torch::serialize::InputArchive& archive, const std::str
   bool same_world = saved_ranks == world_size;
   at::Tensor bytes;
   archive.read("hooks/" + std::to_string(same_world ? rank : 0), bytes);
+  bytes = bytes.to(at::kCPU);
   torch::serialize::InputArchive states;
   std::istringstream in(std::string(static_cast<const char*>(bytes.data_ptr()),
                                     static_cast<size_t>(bytes.numel())));
-  states.load_from(in);
+  states.load_from(in, device);
   for (const auto& [name, state] : items.hook_states()) {
     torch::serialize::InputArchive item;
     states.read(name, item);
@@ -202,8 +218,12 @@ RestoredCheckpoint restore_checkpoint(const std::string& path,
                                       const CheckpointItems& items,
                                       int rank,
                                       int world_size) {
+  // Every tensor loads onto the device of the model it returns to, so that
+  // a checkpoint saved from a CUDA model loads on a CPU machine, and back
+  // (optimizer and hook states included).
+  at::Device device = model_device(items);
   torch::serialize::InputArchive archive;
-  archive.load_from(source.read, [&source] { return source.payload_bytes; });
+  archive.load_from(source.read, [&source] { return source.payload_bytes; }, device);
   RestoredCheckpoint restored;
   c10::IValue value;
   if (archive.try_read("format", value)) {
@@ -224,7 +244,8 @@ RestoredCheckpoint restore_checkpoint(const std::string& path,
     if (rank < restored.generator_ranks) {
       archive.read("rng/" + std::to_string(rank), restored.generator_state);
     }
-    restore_hook_states(archive, path, items, rank, world_size, restored.generator_ranks);
+    restore_hook_states(archive, path, items, rank, world_size, restored.generator_ranks,
+                        device);
   } else {
     // The first layout: one module and one optimizer, rank 0's generator.
     LOCKSTEP_ENFORCE(items.modules().size() == 1 && items.optimizers().size() <= 1,
@@ -238,6 +259,9 @@ RestoredCheckpoint restore_checkpoint(const std::string& path,
     }
     archive.read("rng", restored.generator_state);
     restored.generator_ranks = 1;
+  }
+  if (restored.generator_state.defined()) {
+    restored.generator_state = restored.generator_state.to(at::kCPU);
   }
   auto& extra = restored.extra;
   archive.read("epoch", value);

@@ -32,7 +32,10 @@ CommHook compress_to(at::ScalarType wire) {
     World world = bucket.world;
     int n = world.size();
     auto gradients = bucket.gradients;
-    bool in_place = reduces_16_bit_in_float(world);
+    // On a GPU the 16-bit tensor stays on the device and NCCL sums it in
+    // its format, as PyTorch's hook does (each part already divided).
+    bool on_device = !gradients.device().is_cpu();
+    bool in_place = !on_device && reduces_16_bit_in_float(world);
     auto& compressed = (*wires)[bucket.index];
     if (!compressed.defined() || compressed.numel() != gradients.numel()) {
       compressed = in_place ? world.allocate(gradients.numel(), wire)
@@ -43,7 +46,7 @@ CommHook compress_to(at::ScalarType wire) {
     at::div_out(compressed, gradients, at::scalar_tensor(n, gradients.options()));
     bucket.bytes_sent = compressed.nbytes();
     std::string what = detail::str(c10::toString(wire), " all-reduce of ", bucket.description);
-    if (in_place) {
+    if (in_place || on_device) {
       auto work = world.all_reduce_async(compressed, ReduceOp::Sum, what);
       return [work, compressed, gradients]() mutable {
         work.wait();

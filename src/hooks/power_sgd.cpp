@@ -170,7 +170,9 @@ CommHook PowerSGD::hook() const {
       auto generator = at::make_generator<at::CPUGeneratorImpl>(
           options.random_seed() * 1000003 + static_cast<uint64_t>(s.draws++));
       for (auto& matrix : matrices) {
-        matrix.q.copy_(at::randn(matrix.q.sizes(), generator, input.options()));
+        // Drawn on the host (the generator's device) for any device, so that
+        // a model on a GPU starts from the same Q as on the CPU.
+        matrix.q.copy_(at::randn(matrix.q.sizes(), generator, input.options().device(at::kCPU)));
       }
     } else {
       for (auto& matrix : matrices) {

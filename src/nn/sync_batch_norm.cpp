@@ -49,40 +49,35 @@ GlobalStatistics gather_statistics(World& world, const at::Tensor& input) {
   int64_t channels = input.size(1);
   int64_t count = channels > 0 ? input.numel() / channels : 0;
   // This rank's (count, mean, M2 = count x biased variance), from its values
-  // in float64.
-  auto mine = at::zeros({2 * channels + 1}, at::kDouble);
-  mine[0] = static_cast<double>(count);
+  // in float64, on the input's device.
+  auto mine = at::zeros({2 * channels + 1}, input.options().dtype(at::kDouble));
+  mine.narrow(0, 0, 1).fill_(static_cast<double>(count));
   if (count > 0) {
     auto [var, mean] = at::var_mean(input.to(at::kDouble), reduced_dims(input.dim()),
                                     /*unbiased=*/false);
     mine.narrow(0, 1, channels).copy_(mean);
     mine.narrow(0, 1 + channels, channels).copy_(var * static_cast<double>(count));
   }
-  auto parts = world.all_gather(mine);
-  // Merged in rank order with Chan et al.'s update, the same on every rank:
-  // a mean large against the spread costs nothing, where E[x^2] - mean^2
-  // would cancel it away.
+  auto parts = at::stack(world.all_gather(mine));
+  // Merged as Chan et al. combine partitions, the same on every rank: the
+  // global mean weighs the ranks' means by their counts, and M2 adds each
+  // rank's M2 and its count times its mean's squared distance to the
+  // global mean. A mean large against the spread costs nothing, where
+  // E[x^2] - mean^2 would cancel it away. The one host read is the count.
+  auto counts = parts.select(1, 0).unsqueeze(1);
+  auto means = parts.narrow(1, 1, channels);
+  double total = counts.sum().item<double>();
   GlobalStatistics global;
-  double merged = 0;
-  global.mean = at::zeros({channels}, at::kDouble);
-  auto m2 = at::zeros({channels}, at::kDouble);
-  for (const auto& part : parts) {
-    double added = part[0].item<double>();
-    if (added == 0) {
-      continue;
-    }
-    double total = merged + added;
-    auto delta = part.narrow(0, 1, channels) - global.mean;
-    global.mean += delta * (added / total);
-    m2 += part.narrow(0, 1 + channels, channels) + delta * delta * (merged * added / total);
-    merged = total;
-  }
-  global.count = static_cast<int64_t>(merged);
+  global.count = static_cast<int64_t>(total);
   LOCKSTEP_ENFORCE(
       global.count > 1, UsageError, "SyncBatchNorm needs more than one value per channel "
       "across all ranks in training, got ", global.count, " (input of this rank: ",
       input.sizes(), ").");
-  global.var = m2 / static_cast<double>(global.count);
+  global.mean = (means * (counts / total)).sum(0);
+  auto distance = means - global.mean;
+  auto m2 = parts.narrow(1, 1 + channels, channels).sum(0) +
+      (counts * distance * distance).sum(0);
+  global.var = m2 / total;
   return global;
 }
 
@@ -271,12 +266,18 @@ torch::Tensor SyncBatchNormImpl::forward(const torch::Tensor& input) {
   if (tracking) {
     at::NoGradGuard no_grad;
     num_batches_tracked += 1;
-    double factor = options.momentum().has_value()
-        ? *options.momentum()
-        : 1.0 / num_batches_tracked.item<double>();
     auto unbiased = global.var * (static_cast<double>(global.count) / (global.count - 1));
-    running_mean.mul_(1 - factor).add_(global.mean.to(running_mean.scalar_type()), factor);
-    running_var.mul_(1 - factor).add_(unbiased.to(running_var.scalar_type()), factor);
+    if (options.momentum().has_value()) {
+      double factor = *options.momentum();
+      running_mean.mul_(1 - factor).add_(global.mean.to(running_mean.scalar_type()), factor);
+      running_var.mul_(1 - factor).add_(unbiased.to(running_var.scalar_type()), factor);
+    } else {
+      // A cumulative average, its factor computed where the count lives
+      // (no host read of a device buffer).
+      auto factor = num_batches_tracked.to(at::kDouble).reciprocal();
+      running_mean.copy_(running_mean + (global.mean - running_mean) * factor);
+      running_var.copy_(running_var + (unbiased - running_var) * factor);
+    }
   }
   auto dtype = input.scalar_type();
   auto mean = global.mean.to(dtype);

@@ -49,22 +49,38 @@ void Reducer::State::launch_through_hook(size_t b) {
                    backward.in_flight_what[b], ".");
 }
 
+namespace {
+
+// The values of `parts`, wherever they live, as float64 on the host.
+std::vector<double> host_values(const std::vector<at::Tensor>& parts) {
+  if (parts.empty()) {
+    return {};
+  }
+  std::vector<at::Tensor> doubles;
+  for (const auto& part : parts) {
+    doubles.push_back(part.to(at::kDouble));
+  }
+  auto host = at::cat(doubles).to(at::kCPU).contiguous();
+  return {host.data_ptr<double>(), host.data_ptr<double>() + host.numel()};
+}
+
+} // namespace
+
 std::vector<double> Reducer::State::wait_for_buckets() {
-  std::vector<double> sums;
   if (!comm_hook) {
     for (auto& work : backward.in_flight) {
       work->wait();
     }
+    // The flags ride in the buckets, on the parameters' device: read once,
+    // from a host copy.
+    std::vector<at::Tensor> parts;
     for (const auto& bucket : layout.buckets) {
-      auto flags = bucket.flags().to(at::kDouble);
-      sums.insert(sums.end(), flags.data_ptr<double>(), flags.data_ptr<double>() + flags.numel());
+      parts.push_back(bucket.flags());
     }
     if (!layout.buckets.empty()) {
-      auto extras = layout.buckets.back().extras().to(at::kDouble);
-      sums.insert(sums.end(), extras.data_ptr<double>(),
-                  extras.data_ptr<double>() + extras.numel());
+      parts.push_back(layout.buckets.back().extras());
     }
-    return sums;
+    return host_values(parts);
   }
   std::vector<at::Tensor> parts;
   for (const auto& bucket : layout.buckets) {
@@ -96,8 +112,7 @@ std::vector<double> Reducer::State::wait_for_buckets() {
     }
   }
   lane_work.wait();
-  sums.assign(lane.data_ptr<double>(), lane.data_ptr<double>() + lane.numel());
-  return sums;
+  return host_values({lane});
 }
 
 } // namespace lockstep::detail

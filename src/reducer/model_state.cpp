@@ -117,7 +117,9 @@ namespace {
 // Two checksums of a tensor's bytes: a plain and a position-weighted sum of
 // its 32-bit words (wrapping), so that a changed or moved element shows.
 std::pair<int64_t, int64_t> checksum(const at::Tensor& tensor) {
-  auto bytes = tensor.detach().contiguous().view({-1}).view(at::kByte);
+  // A device tensor is read from a host copy: check_replicas is a check,
+  // not a step of training.
+  auto bytes = tensor.detach().to(at::kCPU).contiguous().view({-1}).view(at::kByte);
   const auto* data = bytes.data_ptr<uint8_t>();
   int64_t size = bytes.numel();
   uint64_t plain = 0;

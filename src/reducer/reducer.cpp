@@ -48,6 +48,18 @@ Reducer::Reducer(torch::nn::Module& module, World world, DdpOptions options)
   std::vector<NamedTensor> all_params;
   std::vector<NamedTensor> all_buffers;
   named_state(module, all_params, all_buffers);
+  // Buckets, and the transport that carries them, belong to one device.
+  for (const auto* group : {&all_params, &all_buffers}) {
+    for (const auto& entry : *group) {
+      const auto& first = all_params.empty() ? entry : all_params.front();
+      LOCKSTEP_ENFORCE(
+          entry.tensor.device() == first.tensor.device(), UsageError, "the model's tensors "
+          "live on more than one device: '", first.name, "' on ", first.tensor.device(),
+          " and '", entry.name, "' on ", entry.tensor.device(), ". DistributedDataParallel "
+          "wraps a model on one device, one process per GPU: move it there with "
+          "module->to(device) before wrapping it.");
+    }
+  }
   std::vector<at::Tensor> module_state;
   for (const auto& entry : all_params) {
     module_state.push_back(entry.tensor);

@@ -65,6 +65,8 @@ struct SideBySide {
   /// then runs each shard with its rank's forward and averages the losses,
   /// instead of one forward over the concatenated batch.
   bool rank_dependent = false;
+  /// Where the models and the data live.
+  torch::Device device = torch::kCPU;
 };
 
 /// The comparison below float64, whose tolerance comes from the computation
@@ -100,6 +102,7 @@ DdpStats train_side_by_side(
     if (dtype) {
       built->to(*dtype);
     }
+    built->to(setup.device);
     return built;
   };
   ModelType model = build(setup.dtype);
@@ -127,6 +130,8 @@ DdpStats train_side_by_side(
       x = x.to(*setup.dtype);
       y = y.to(*setup.dtype);
     }
+    x = x.to(setup.device);
+    y = y.to(setup.device);
     auto shard = [&](const torch::Tensor& t, int rank) {
       return t.narrow(0, rank * setup.per_rank, setup.per_rank);
     };
