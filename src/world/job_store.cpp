@@ -1,9 +1,12 @@
 #include "world/job_store.h"
 
 #include <netdb.h>
+#include <poll.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <future>
 #include <sstream>
 #include <thread>
@@ -43,6 +46,50 @@ void expect_resolvable(const WorldConfig& config) {
       "rank ", config.rank, ": MASTER_ADDR='", config.master_addr,
       "' does not resolve to an address (", ::gai_strerror(status), "). Set it to rank 0's "
       "host name or address, as every rank can resolve it (127.0.0.1 on one machine).");
+}
+
+// Whether something at MASTER_ADDR:MASTER_PORT accepts a TCP connection
+// now: tells "nothing listens there" from "a service that is no store",
+// whatever TCPStore's own retries (2.x waits seconds between attempts to
+// connect, so its constructor may outlast the limit where nothing listens).
+bool accepts_connections(const WorldConfig& config) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(config.master_addr.c_str(), std::to_string(config.master_port).c_str(),
+                    &hints, &found) != 0 || found == nullptr) {
+    return false;
+  }
+  bool accepted = false;
+  for (addrinfo* address = found; address != nullptr && !accepted; address = address->ai_next) {
+    int fd = ::socket(address->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+      continue;
+    }
+    if (::connect(fd, address->ai_addr, address->ai_addrlen) == 0) {
+      accepted = true;
+    } else if (errno == EINPROGRESS) {
+      pollfd writable{fd, POLLOUT, 0};
+      int error = 0;
+      socklen_t length = sizeof(error);
+      accepted = ::poll(&writable, 1, 1000) == 1 &&
+          ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &length) == 0 && error == 0;
+    }
+    ::close(fd);
+  }
+  ::freeaddrinfo(found);
+  return accepted;
+}
+
+[[noreturn]] void fail_unreachable(const WorldConfig& config, const std::string& cause) {
+  LOCKSTEP_FAIL(
+      RendezvousError, "rank ", config.rank,
+      " could not reach the store at ", master_endpoint(config),
+      " (MASTER_ADDR:MASTER_PORT) within ", seconds(config.timeout),
+      ". Is rank 0 ", config.agent_store ? "(torchrun's agent) " : "",
+      "running, and do all ranks use the same MASTER_ADDR and "
+      "MASTER_PORT? Raise the limit with LOCKSTEP_TIMEOUT (seconds).\n"
+      "  cause: ", cause);
 }
 
 // Connecting, and the first store operation, run on a thread of their own:
@@ -93,15 +140,11 @@ c10::intrusive_ptr<c10d::Store> connect_and_probe(const WorldConfig& config,
         LOCKSTEP_FAIL(RendezvousError, "rank 0 cannot host the store at ",
                       master_endpoint(config), ".\n  cause: ", cause);
       }
-      LOCKSTEP_FAIL(
-          RendezvousError, "rank ", config.rank,
-          " could not reach the store at ", master_endpoint(config),
-          " (MASTER_ADDR:MASTER_PORT) within ", seconds(config.timeout),
-          ". Is rank 0 ", config.agent_store ? "(torchrun's agent) " : "",
-          "running, and do all ranks use the same MASTER_ADDR and "
-          "MASTER_PORT? Raise the limit with LOCKSTEP_TIMEOUT (seconds).\n"
-          "  cause: ", cause);
+      fail_unreachable(config, cause);
     }
+  }
+  if (!host_here && !accepts_connections(config)) {
+    fail_unreachable(config, "nothing accepts connections there");
   }
   LOCKSTEP_FAIL(
       RendezvousError, "rank ", config.rank, " reached ",
