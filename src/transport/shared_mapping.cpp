@@ -262,12 +262,17 @@ void* take_offered(const Handshake& shake, size_t bytes, std::string& failure) {
   }
   store_set(shake.store, shake.status(static_cast<size_t>(group.index)),
             failure.empty() ? kOk : failure);
-  if (!shake.await(shake.verdict())) {
+  // The creating rank decides by its own deadline, which may fall after
+  // this rank's: a second timeout's grace, so that a verdict given on time
+  // is never missed (a creator that is gone is named meanwhile).
+  Handshake verdict_wait = shake;
+  verdict_wait.deadline += group.timeout;
+  if (!verdict_wait.await(shake.verdict())) {
     if (data != MAP_FAILED) {
       ::munmap(data, bytes);
     }
     LOCKSTEP_FAIL(TimeoutError, "rank ", group.ranks[static_cast<size_t>(group.index)],
-                  ": rank ", group.ranks[0], " did not say within ", seconds(group.timeout),
+                  ": rank ", group.ranks[0], " did not say within ", seconds(2 * group.timeout),
                   " whether the ranks of this host share memory; that rank is not taking "
                   "part, or is slow (raise LOCKSTEP_TIMEOUT).");
   }
