@@ -18,10 +18,6 @@ namespace {
 
 class Behaviour : public ::testing::TestWithParam<WorldSetup> {};
 
-auto plain_forward = [](auto& model, torch::Tensor x, int64_t, int) {
-  return model(x);
-};
-
 TEST_P(Behaviour, BatchNormBuffersFollowRankZero) {
   run_ranks(GetParam(), [](int rank) {
     World world = init();

@@ -39,10 +39,6 @@ const NamedOptions kSettings[] = {
 
 class Equivalence : public ::testing::TestWithParam<std::tuple<WorldSetup, int>> {};
 
-auto plain_forward = [](auto& model, torch::Tensor x, int64_t, int) {
-  return model(x);
-};
-
 TEST_P(Equivalence, MatchesOneProcessOnTheWholeBatch) {
   auto [world, setting] = GetParam();
   run_ranks(world, [setting = setting](int) {

@@ -33,10 +33,6 @@ torch::Device gpu_of(const World& world) {
   return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(world.local_rank()));
 }
 
-auto plain_forward = [](auto& model, torch::Tensor x, int64_t, int) {
-  return model(x);
-};
-
 TEST(Gpu, DdpMatchesOneProcessOnTheGpuInFloat64) {
   SKIP_WITHOUT_A_GPU();
   run_ranks(gpu_ranks(), [](int) {

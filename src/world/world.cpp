@@ -453,11 +453,13 @@ PendingCollective World::all_reduce_async(
     state->view = tensor;
   }
   state->op = op;
+  std::lock_guard<std::mutex> lock(impl_->issue_mutex);
+  state->seq = impl_->begin(description);
+  // Once the collective may start: a world that refuses it leaves the
+  // tensor as it was.
   if (op == ReduceOp::Average && divides_first(tensor)) {
     state->tensor.div_(size());
   }
-  std::lock_guard<std::mutex> lock(impl_->issue_mutex);
-  state->seq = impl_->begin(description);
   state->work = impl_->transport_for(tensor).all_reduce(
       state->tensor, op == ReduceOp::Average ? ReduceOp::Sum : op);
   return PendingCollective(std::move(state));

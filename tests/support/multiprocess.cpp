@@ -159,9 +159,8 @@ int unused_port_from_kernel() {
 // True when no test process of this user took `port` in the last minutes.
 // The kernel may hand a port that one test has just probed and released to
 // another test running beside it (ctest -j), before the first one's rank 0
-// binds it: the second test's ranks then meet the first test's store (seen
-// in CI as a rank connecting to another test's file-store port and waiting
-// for an answer). A file per port, created exclusively, records the claim.
+// binds it: the second test's ranks would then meet the first test's store.
+// A file per port, created exclusively, records the claim.
 bool claim_for_this_test(int port) {
   namespace fs = std::filesystem;
   fs::path folder = fs::temp_directory_path() /
@@ -188,7 +187,7 @@ bool claim_for_this_test(int port) {
   return true;
 }
 
-}  // namespace
+} // namespace
 
 int free_port() {
   for (int attempt = 0; attempt < 100; ++attempt) {

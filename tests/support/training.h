@@ -85,6 +85,12 @@ void expect_as_close_to_exact(
     torch::nn::Module& exact,
     const std::string& context);
 
+/// The forward of train_side_by_side for a model whose forward takes the
+/// input alone.
+inline constexpr auto plain_forward = [](auto& model, torch::Tensor x, int64_t, int) {
+  return model(x);
+};
+
 /// Trains `make_model()` wrapped in DDP beside an unwrapped reference built
 /// with the same seed, and checks both after every step. `forward(model, x,
 /// step, rank)` runs either; rank is -1 for the reference's whole batch.
