@@ -15,7 +15,11 @@
 //          same batches: what the guard's agreement costs)
 // BENCH_BUCKET_CAP_MB overrides lockstep's bucket cap, to explore its effect;
 // BENCH_HOOK registers a communication hook (the mode gets its name, and
-// rank 0 prints the bytes of the last iteration to stderr).
+// rank 0 prints the bytes of the last iteration to stderr). BENCH_NET_DEVICE
+// names the network device that leaves this rank's host: rank 0 prints
+// "wire,MODEL,MODE,BYTES" to stderr, what the device's own counter says
+// the host sent per timed iteration (the largest over hosts), not what
+// lockstep believes it sent.
 
 #include <sys/resource.h>
 
@@ -23,6 +27,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <iostream>
 #include <string>
 
@@ -53,6 +58,19 @@ void report(World& world, const std::string& model_name, const std::string& mode
                 medians.item<double>(), rss.item<double>());
     std::fflush(stdout);
   }
+}
+
+// The bytes BENCH_NET_DEVICE has sent, from the kernel's counter; -1
+// when no device is named.
+double wire_bytes() {
+  const char* device = std::getenv("BENCH_NET_DEVICE");
+  if (device == nullptr) {
+    return -1;
+  }
+  std::ifstream counter(std::string("/sys/class/net/") + device + "/statistics/tx_bytes");
+  double bytes = -1;
+  counter >> bytes;
+  return bytes;
 }
 
 template <typename ModelType>
@@ -98,9 +116,11 @@ void run(World& world, ModelType model, const std::string& model_name,
   if (joined) {
     join.emplace(ddp->join());
   }
+  double wire_at_start = -1;
   for (int i = 0; i < warmup + iterations; ++i) {
     if (i == warmup) {
       world.barrier();
+      wire_at_start = wire_bytes();
     }
     // Every rank switches at the same iteration, as set_debug requires.
     bool detail = alternate && i >= warmup && ((i - warmup) / 5) % 2 == 1;
@@ -124,6 +144,7 @@ void run(World& world, ModelType model, const std::string& model_name,
                          .count());
     }
   }
+  auto wire = torch::tensor({(wire_bytes() - wire_at_start) / iterations}, torch::kDouble);
   if (join) {
     join->finish();
   }
@@ -133,6 +154,13 @@ void run(World& world, ModelType model, const std::string& model_name,
     if (world.rank() == 0) {
       std::fprintf(stderr, "bytes,%s,%s,%lld\n", model_name.c_str(), reported.c_str(),
                    static_cast<long long>(ddp->stats().last.bytes_reduced));
+    }
+  }
+  if (wire_at_start >= 0) {
+    world.all_reduce(wire, ReduceOp::Max);
+    if (world.rank() == 0) {
+      std::fprintf(stderr, "wire,%s,%s,%.0f\n", model_name.c_str(), reported.c_str(),
+                   wire.item<double>());
     }
   }
   report(world, model_name, reported, times);

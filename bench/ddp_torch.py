@@ -3,6 +3,9 @@ PyTorch DistributedDataParallel (gloo, default options). Prints the same CSV
 line on rank 0.
 
     python3 ddp_torch.py MODEL [ITERATIONS] [WARMUP]
+
+BENCH_NET_DEVICE: as in ddp_bench.cpp, rank 0 prints "wire,MODEL,MODE,BYTES"
+to stderr, the bytes per timed iteration that device's counter saw leave.
 """
 import contextlib
 import os
@@ -90,6 +93,14 @@ def deterministic_batch(shape):
     return x, torch.arange(64).remainder(10)
 
 
+def wire_bytes():
+    device = os.environ.get("BENCH_NET_DEVICE")
+    if not device:
+        return -1.0
+    with open(f"/sys/class/net/{device}/statistics/tx_bytes") as counter:
+        return float(counter.read())
+
+
 def main():
     name = sys.argv[1]
     iterations = int(sys.argv[2]) if len(sys.argv) > 2 else 100
@@ -119,16 +130,19 @@ def main():
     times = []
     # BENCH_TORCH_JOIN=1: the loop inside ddp.join(), every rank with the same batches.
     joined = os.environ.get("BENCH_TORCH_JOIN") == "1"
+    wire_at_start = -1.0
     with ddp.join() if joined else contextlib.nullcontext():
         for i in range(warmup + iterations):
             if i == warmup:
                 dist.barrier()
+                wire_at_start = wire_bytes()
             start = time.perf_counter()
             optimizer.zero_grad()
             F.cross_entropy(ddp(x), y).backward()
             optimizer.step()
             if i >= warmup:
                 times.append((time.perf_counter() - start) * 1e3)
+    wire = torch.tensor([(wire_bytes() - wire_at_start) / iterations], dtype=torch.float64)
     median = torch.tensor([statistics.median(times)], dtype=torch.float64)
     rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64)
     dist.all_reduce(median, op=dist.ReduceOp.MAX)
@@ -138,6 +152,10 @@ def main():
         if hook:
             mode += "_" + hook.split(":")[0]
         print(f"{name},{mode},{median.item():.2f},{rss.item():.0f}", flush=True)
+    if wire_at_start >= 0:
+        dist.all_reduce(wire, op=dist.ReduceOp.MAX)
+        if dist.get_rank() == 0:
+            print(f"wire,{name},{mode},{wire.item():.0f}", file=sys.stderr, flush=True)
     dist.destroy_process_group()
 
 

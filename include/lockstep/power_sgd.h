@@ -73,6 +73,7 @@ class PowerSGD {
   void reset_error_feedback();
 
   struct State;
+  struct Compression;
 
  private:
   std::shared_ptr<State> state_;

@@ -1,9 +1,8 @@
 // The built-in communication hooks: plain all-reduce, and the 16-bit
-// compressions. A 16-bit tensor travels as 16 bits and is summed in float32:
-// the shared-memory transport reduces 16-bit slices in float32 in place;
-// over Gloo, which adds float16 element by element and has no bfloat16 sum
-// at all in LibTorch 1.13, the ranks all-gather the 16-bit tensors and each
-// sums them in float32 in rank order, so every rank computes the same bits.
+// compressions. A 16-bit tensor travels as 16 bits and is summed in float32
+// by every transport on the CPU (the shared-memory transport in place, Gloo
+// by gathering the 16-bit tensors: process_group_transport.cpp), started
+// at once so that it crosses while backward goes on.
 
 #include <lockstep/comm_hook.h>
 
@@ -18,14 +17,10 @@
 namespace lockstep::hooks {
 namespace {
 
-bool reduces_16_bit_in_float(const World& world) {
-  return world.transport().rfind("Gloo", 0) != 0;
-}
-
 CommHook compress_to(at::ScalarType wire) {
-  // Per bucket, the 16-bit tensor that travels: with shared memory, in the
-  // segment (World::allocate, once per bucket and size, on every rank
-  // alike), so that it is reduced in place.
+  // Per bucket, the 16-bit tensor that travels, made by World::allocate
+  // (once per bucket and size, on every rank alike): with shared memory,
+  // in the segment, so that it is reduced in place.
   auto wires = std::make_shared<std::map<size_t, at::Tensor>>();
   return [wire, wires](GradBucket& bucket) -> BucketFuture {
     at::NoGradGuard no_grad;
@@ -35,31 +30,20 @@ CommHook compress_to(at::ScalarType wire) {
     // On a GPU the 16-bit tensor stays on the device and NCCL sums it in
     // its format, as PyTorch's hook does (each part already divided).
     bool on_device = !gradients.device().is_cpu();
-    bool in_place = !on_device && reduces_16_bit_in_float(world);
     auto& compressed = (*wires)[bucket.index];
     if (!compressed.defined() || compressed.numel() != gradients.numel()) {
-      compressed = in_place ? world.allocate(gradients.numel(), wire)
-                            : at::empty({gradients.numel()}, gradients.options().dtype(wire));
+      compressed = on_device ? at::empty({gradients.numel()}, gradients.options().dtype(wire))
+                             : world.allocate(gradients.numel(), wire);
     }
     // Divided first, as PyTorch's hook does: the sum of n averages cannot
     // overflow where the sum of n gradients might. One pass, rounded once.
     at::div_out(compressed, gradients, at::scalar_tensor(n, gradients.options()));
     bucket.bytes_sent = compressed.nbytes();
     std::string what = detail::str(c10::toString(wire), " all-reduce of ", bucket.description);
-    if (in_place || on_device) {
-      auto work = world.all_reduce_async(compressed, ReduceOp::Sum, what);
-      return [work, compressed, gradients]() mutable {
-        work.wait();
-        return gradients.copy_(compressed);
-      };
-    }
-    return [world, compressed, gradients]() mutable {
-      auto parts = world.all_gather(compressed);
-      auto sum = parts[0].to(at::kFloat);
-      for (size_t rank = 1; rank < parts.size(); ++rank) {
-        sum.add_(parts[rank]);
-      }
-      return gradients.copy_(sum.to(compressed.scalar_type()));
+    auto work = world.all_reduce_async(compressed, ReduceOp::Sum, what);
+    return [work, compressed, gradients]() mutable {
+      work.wait();
+      return gradients.copy_(compressed);
     };
   };
 }

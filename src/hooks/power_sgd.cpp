@@ -2,10 +2,11 @@
 // parameter's error feedback added, its compressible matrices multiplied by
 // Q into P,
 // and two all-reduces started at once (the matrices left as they are, and
-// P); its future then orthogonalises the summed P, computes and all-reduces
-// Q, and writes P Q^T / n over the gradients. Every rank issues the same
-// collectives in the same order (the launches in bucket order during
-// backward, the Q all-reduces in bucket order at its end), which is what
+// P). The summed P is then orthogonalised, Q computed and all-reduced: for
+// a bucket, as the next bucket launches (so that Q crosses while backward
+// goes on), for the last, in its future; the future writes P Q^T / n over
+// the gradients. Every rank issues the same collectives in the same order
+// (P of bucket k, Q of bucket k - 1, in bucket order), which is what
 // PyTorch 1.13's chained futures over Gloo do not guarantee.
 
 #include <lockstep/power_sgd.h>
@@ -32,10 +33,14 @@ struct PowerSGD::State {
   // repeats) changes nothing: this rank's error feedback, and the last Q.
   std::map<int64_t, at::Tensor> errors;
   std::map<int64_t, at::Tensor> qs;
+  // Per bucket (its first parameter), the gradients before compression.
+  std::map<int64_t, at::Tensor> copies;
   int64_t before = 0;
   int64_t after = 0;
   int64_t last_before = 0;
   int64_t last_after = 0;
+  // The bucket launched before this one, whose Q is started next.
+  std::shared_ptr<Compression> unstarted;
 
   void end_of_bucket(bool last) {
     if (last) {
@@ -70,6 +75,30 @@ struct Matrix {
 };
 
 } // namespace
+
+// A bucket's compressed matrices between P's all-reduce and Q's.
+struct PowerSGD::Compression {
+  World world;
+  std::vector<Matrix> matrices;
+  at::Tensor qs;
+  std::optional<PendingCollective> p_work;
+  std::optional<PendingCollective> q_work;
+  std::string description;
+  double epsilon = 0;
+
+  // Once P is summed: Q = M^T P, on its way. Idempotent.
+  void start_q() {
+    if (q_work || !p_work) {
+      return;
+    }
+    p_work->wait();
+    for (auto& matrix : matrices) {
+      orthogonalize(matrix.p, epsilon);
+      at::mm_out(matrix.q, matrix.m.t(), matrix.p);
+    }
+    q_work = world.all_reduce_async(qs, ReduceOp::Sum, "PowerSGD's Q of " + description);
+  }
+};
 
 PowerSGD::PowerSGD(PowerSGDOptions options) : state_(std::make_shared<State>(options)) {
   bool needs_warm_up = options.use_error_feedback() || options.warm_start();
@@ -122,7 +151,13 @@ CommHook PowerSGD::hook() const {
           slices[i].add_(found->second);
         }
       }
-      input_copy = input.clone();
+      // Kept from one iteration to the next, as the errors are: memory
+      // allocated afresh each time costs its page faults again.
+      auto& copy = s.copies[bucket.parameter_indices.front()];
+      if (!copy.defined() || copy.numel() != input.numel()) {
+        copy = at::empty_like(input);
+      }
+      input_copy = copy.copy_(input);
     }
 
     std::vector<Matrix> matrices;
@@ -191,17 +226,22 @@ CommHook PowerSGD::hook() const {
       flat_work = world.all_reduce_async(flat, ReduceOp::Sum,
                                          "PowerSGD's uncompressed part of " + bucket.description);
     }
-    std::optional<PendingCollective> p_work;
+    auto compression = std::make_shared<Compression>(
+        Compression{world, matrices, qs, std::nullopt, std::nullopt, bucket.description,
+                    options.orthogonalization_epsilon()});
     if (!matrices.empty()) {
-      p_work = world.all_reduce_async(ps, ReduceOp::Sum, "PowerSGD's P of " + bucket.description);
+      compression->p_work =
+          world.all_reduce_async(ps, ReduceOp::Sum, "PowerSGD's P of " + bucket.description);
+    }
+    if (auto before = std::exchange(s.unstarted, compression)) {
+      before->start_q();
     }
     bucket.bytes_sent = input.element_size() *
         ((flat.defined() ? flat.numel() : 0) + ps_size + qs_size);
     std::vector<int64_t> keys = bucket.parameter_indices;
-    std::string description = bucket.description;
     bool last = bucket.last;
-    return [state, world, input, input_copy, slices, keys, flat, flat_work, p_work, uncompressed,
-            matrices, qs, n, description, last]() mutable {
+    return [state, input, input_copy, slices, keys, flat, flat_work, uncompressed, compression,
+            n, last]() mutable {
       at::NoGradGuard no_grad;
       auto& s = *state;
       if (flat_work) {
@@ -213,15 +253,14 @@ CommHook PowerSGD::hook() const {
           offset += tensor.numel();
         }
       }
-      if (p_work) {
-        p_work->wait();
-        for (auto& matrix : matrices) {
-          orthogonalize(matrix.p, s.options.orthogonalization_epsilon());
-          at::mm_out(matrix.q, matrix.m.t(), matrix.p);
+      if (compression->p_work) {
+        compression->start_q();
+        if (s.unstarted == compression) {
+          s.unstarted = nullptr;
         }
-        world.all_reduce_async(qs, ReduceOp::Sum, "PowerSGD's Q of " + description).wait();
-        qs.div_(n);
-        for (auto& matrix : matrices) {
+        compression->q_work->wait();
+        compression->qs.div_(n);
+        for (auto& matrix : compression->matrices) {
           at::mm_out(matrix.m, matrix.p, matrix.q.t());
           if (s.options.warm_start()) {
             s.qs[matrix.key] = matrix.q.clone();
@@ -229,12 +268,15 @@ CommHook PowerSGD::hook() const {
         }
       }
       if (s.options.use_error_feedback()) {
-        auto error = input_copy - input;
         for (size_t i = 0; i < slices.size(); ++i) {
-          s.errors[keys[i]] =
-              error.narrow(0, slices[i].storage_offset() - input.storage_offset(),
-                           slices[i].numel())
-                  .clone();
+          auto& error = s.errors[keys[i]];
+          if (!error.defined() || error.numel() != slices[i].numel()) {
+            error = at::empty_like(slices[i]);
+          }
+          at::sub_out(error,
+                      input_copy.narrow(0, slices[i].storage_offset() - input.storage_offset(),
+                                        slices[i].numel()),
+                      slices[i]);
         }
       }
       s.end_of_bucket(last);
