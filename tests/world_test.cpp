@@ -108,13 +108,13 @@ TEST(World, CollectivesCarryEveryDtype) {
 // formats and in any float32 sum of a few of them, so the expected bits do
 // not depend on the order of the sum; the sum (up to 10, in steps of 1/64)
 // needs more bits than bfloat16 has, so only one rounding at the end gives
-// them. 300,001 elements: several of Gloo's pieces and a ragged tail.
+// them. 4,500,001 elements: three of Gloo's 4 MiB pieces, the last ragged.
 class SixteenBitSums : public ::testing::TestWithParam<testing::WorldSetup> {};
 
 TEST_P(SixteenBitSums, AreFloat32SumsRoundedOnce) {
   run_ranks(GetParam(), [](int) {
     World world = init();
-    int64_t numel = 300001;
+    int64_t numel = 4500001;
     auto of_rank = [&](int64_t rank) {
       return at::arange(numel, at::kFloat).mul(0.37).add(rank).sin().mul(127).round().div(64);
     };

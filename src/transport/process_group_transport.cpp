@@ -16,7 +16,7 @@
 namespace lockstep::detail {
 namespace {
 
-constexpr int64_t kGatherPieceBytes = 512 << 10;
+constexpr int64_t kGatherPieceBytes = 4 << 20;
 
 // Set by the backend's callbacks, which may outlive the work that waits.
 struct Completion {
@@ -128,7 +128,12 @@ std::unique_ptr<TransportWork> ProcessGroupTransport::all_reduce(const at::Tenso
     }
     // In pieces: Gloo sends one gather's part as one message, which a
     // 1 Gbit/s link carried at 0.6 Gbit/s (8 MiB: 110 ms whole, 70 ms in
-    // 16 pieces of 512 KiB, as fast as Gloo's ring all-reduce).
+    // 16 pieces of 512 KiB). But each piece is a work of Gloo's, which a
+    // rank busy with backward on its core runs a few ms late: 512 KiB
+    // pieces made the fp16 MLP (20 MiB a step) 219 ms a step on a 10 Gbit/s
+    // link, 4 MiB 97 ms, one gather 104 ms; on 1 Gbit/s, 241, 297 and
+    // 314 ms. 4 MiB is never worse than one gather; the best size depends
+    // on the link (bench-hosts.md).
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
     int64_t piece = std::max<int64_t>(1, kGatherPieceBytes / tensor.element_size());
     for (int64_t first = 0; first < flat.numel(); first += piece) {
