@@ -12,6 +12,7 @@
 
 #include "compat/c10d.h"
 #include "timeline/recorder.h"
+#include "transport/shm_reduce.h"
 
 namespace lockstep::detail {
 namespace {
@@ -145,12 +146,8 @@ std::unique_ptr<TransportWork> ProcessGroupTransport::all_reduce(const at::Tenso
       works.push_back(start_all_gather(*group_, travelling,
                                        bitwise_view(flat.narrow(0, first, length))));
     }
-    return std::make_unique<ProcessGroupWork>(std::move(works), [flat, parts]() mutable {
-      auto sum = parts[0].to(at::kFloat);
-      for (size_t rank = 1; rank < parts.size(); ++rank) {
-        sum.add_(parts[rank]);
-      }
-      flat.copy_(sum);
+    return std::make_unique<ProcessGroupWork>(std::move(works), [flat, parts] {
+      reduce_into(flat, parts, ReduceOp::Sum, at::empty({flat.numel()}, at::kFloat));
     });
   }
   auto widened = tensor.to(type);

@@ -66,6 +66,14 @@ void reduce_into(ShmContext& context,
                  const at::Tensor& out,
                  const std::vector<at::Tensor>& inputs,
                  ReduceOp op) {
+  bool needs_room = inputs.size() > 1 && reduced_in_float(out.scalar_type());
+  reduce_into(out, inputs, op, needs_room ? context.scratch(out.numel()) : at::Tensor());
+}
+
+void reduce_into(const at::Tensor& out,
+                 const std::vector<at::Tensor>& inputs,
+                 ReduceOp op,
+                 const at::Tensor& float_room) {
   if (inputs.size() == 1) {
     if (out.data_ptr() != inputs[0].data_ptr()) {
       out.copy_(inputs[0]);
@@ -73,7 +81,7 @@ void reduce_into(ShmContext& context,
     return;
   }
   if (reduced_in_float(out.scalar_type())) {
-    auto sum = context.scratch(out.numel());
+    auto sum = float_room;
     sum.copy_(inputs[0]);
     for (size_t p = 1; p < inputs.size(); ++p) {
       combine_out(sum, sum, inputs[p], op);

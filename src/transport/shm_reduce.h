@@ -2,8 +2,8 @@
 
 // What the shared-memory operations share: views of shared memory as
 // tensors, the reduction itself (ATen's kernels, in rank order, so that
-// every rank that reduces the same inputs gets the same bits), and which
-// slice of a tensor each rank owns.
+// every rank that reduces the same inputs gets the same bits; Gloo's
+// 16-bit sums use it as well), and which slice of a tensor each rank owns.
 
 #include <functional>
 #include <string>
@@ -18,8 +18,15 @@ namespace lockstep::detail {
 at::Tensor view(char* data, int64_t elements, at::ScalarType type);
 
 /// Reduces `inputs` element by element, in rank order, into `out`, which
-/// may be inputs[0]'s memory. Float16 and bfloat16 accumulate in float32
-/// and round once.
+/// may be inputs[0]'s memory. Float16 and bfloat16 accumulate in float32,
+/// in `float_room` (out's size), and round once. Gloo's 16-bit sum
+/// (process_group_transport.cpp) reduces its gathered parts here too, so
+/// that both transports give the same bits.
+void reduce_into(const at::Tensor& out,
+                 const std::vector<at::Tensor>& inputs,
+                 ReduceOp op,
+                 const at::Tensor& float_room);
+/// The same, with the context's scratch as the float32 room.
 void reduce_into(ShmContext& context,
                  const at::Tensor& out,
                  const std::vector<at::Tensor>& inputs,
