@@ -98,6 +98,30 @@ TEST_P(CollectiveFailures, AFailedWaitFailsAgainAndTheWorldRefusesWhatFollowsAtO
   EXPECT_TRUE(result.ok()) << result.report();
 }
 
+// Over Gloo a 16-bit sum travels as posted point-to-point messages that a
+// thread of the collective's own waits on: a sum that times out must be
+// abandoned (its thread freed, nothing left hanging) when it is dropped.
+TEST_P(CollectiveFailures, ASixteenBitSumThatTimesOutIsAbandoned) {
+  auto result = run(
+      [](int rank) {
+        World world = init();
+        int last = world.size() - 1;
+        if (rank == last) {
+          std::this_thread::sleep_for(std::chrono::seconds(4));
+          return;
+        }
+        {
+          auto tensor = at::full({300000}, 1.0 + rank, at::kHalf);
+          auto pending = world.all_reduce_async(tensor, ReduceOp::Sum, "the half sum");
+          expect_error<TimeoutError>([&] { pending.wait(); },
+                                     {"the half sum #1 did not complete"});
+        }
+        std::this_thread::sleep_for(std::chrono::seconds(1));
+      },
+      [](RankEnvironment& env) { env["LOCKSTEP_TIMEOUT"] = "1"; });
+  EXPECT_TRUE(result.ok()) << result.report();
+}
+
 TEST_P(CollectiveFailures, RanksThatAllocateAtDifferentTimesAgreeWhereTheTensorLives) {
   // The last rank comes to allocate() well after the others' timeout:
   // every rank must reach the same verdict, so that the all-reduce that

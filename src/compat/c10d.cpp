@@ -129,6 +129,22 @@ c10::intrusive_ptr<c10d::Work> start_barrier(CollectiveBackend& group) {
   return group.barrier();
 }
 
+c10::intrusive_ptr<c10d::Work> start_send(CollectiveBackend& group,
+                                          const at::Tensor& tensor,
+                                          int peer,
+                                          int tag) {
+  std::vector<at::Tensor> tensors{tensor};
+  return group.send(tensors, peer, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> start_recv(CollectiveBackend& group,
+                                          const at::Tensor& tensor,
+                                          int peer,
+                                          int tag) {
+  std::vector<at::Tensor> tensors{tensor};
+  return group.recv(tensors, peer, tag);
+}
+
 void store_set(c10d::Store& store, const std::string& key, const std::string& value) {
   store.set(key, std::vector<uint8_t>(value.begin(), value.end()));
 }

@@ -83,6 +83,17 @@ c10::intrusive_ptr<c10d::Work> start_all_gather(
     std::vector<at::Tensor>& outputs,
     const at::Tensor& input);
 c10::intrusive_ptr<c10d::Work> start_barrier(CollectiveBackend& group);
+/// Point to point, matched by `tag` between the two ranks. Gloo posts them
+/// at once on the connection, with no work queued for its threads; their
+/// works have no future (wait on them, or abort them).
+c10::intrusive_ptr<c10d::Work> start_send(CollectiveBackend& group,
+                                          const at::Tensor& tensor,
+                                          int peer,
+                                          int tag);
+c10::intrusive_ptr<c10d::Work> start_recv(CollectiveBackend& group,
+                                          const at::Tensor& tensor,
+                                          int peer,
+                                          int tag);
 
 /// Writes `value` under `key`.
 void store_set(c10d::Store& store, const std::string& key, const std::string& value);

@@ -30,6 +30,8 @@ class ProcessGroupTransport : public Transport {
  private:
   c10::intrusive_ptr<CollectiveBackend> group_;
   std::string name_;
+  // 16-bit sums exchanged so far (the same count on every rank).
+  uint64_t exchanges_ = 0;
 };
 
 } // namespace lockstep::detail
