@@ -217,7 +217,7 @@ std::string claim_or_check(c10d::Store& store, const WorldConfig& config) {
 class TcpJobStore : public JobStore {
  public:
   explicit TcpJobStore(const WorldConfig& config)
-      : host_here_(config.rank == 0 && !config.agent_store) {
+      : config_(config), host_here_(config.rank == 0 && !config.agent_store) {
     expect_resolvable(config);
     c10d::TCPStoreOptions options;
     options.port = static_cast<std::uint16_t>(config.master_port);
@@ -239,8 +239,18 @@ class TcpJobStore : public JobStore {
   }
 
   std::unique_ptr<LedgerBoard> ledger_board(int rank, int size) override {
-    return make_store_board(c10::make_intrusive<c10d::PrefixStore>("ledger", store_), rank,
-                            size);
+    // The heartbeat has a connection of its own: a c10d store client is
+    // not for two threads at once.
+    c10d::TCPStoreOptions options;
+    options.port = static_cast<std::uint16_t>(config_.master_port);
+    options.isServer = false;
+    options.waitWorkers = false;
+    options.timeout = config_.timeout;
+    choose_tcp_store_server(options);
+    auto heartbeat_store = c10::make_intrusive<c10d::TCPStore>(config_.master_addr, options);
+    return make_store_board(
+        c10::make_intrusive<c10d::PrefixStore>("ledger", store_), rank, size,
+        c10::make_intrusive<c10d::PrefixStore>("ledger", scoped(config_, heartbeat_store)));
   }
 
   bool hosted_here() const override {
@@ -248,6 +258,7 @@ class TcpJobStore : public JobStore {
   }
 
  private:
+  WorldConfig config_;
   bool host_here_;
 };
 

@@ -1,5 +1,6 @@
 #include "world/ledger.h"
 
+#include <map>
 #include <thread>
 #include <vector>
 
@@ -95,7 +96,16 @@ void Ledger::check_peers(uint64_t seq, const std::string& what) {
     }
   }
   if (closed_early.empty() && failed.empty() && gone.empty()) {
-    return;
+    auto silent = silent_peers(closed);
+    if (silent.empty()) {
+      return;
+    }
+    close(seq - 1, /*failed=*/true, silent);
+    LOCKSTEP_FAIL(
+        CollectiveError, "rank ", rank_, ": ", what, " #", seq, " cannot complete: ", silent,
+        ". Either this host can no longer reach theirs (a network cut, or their host is "
+        "down), or their processes are stopped; if they still run, they name this rank "
+        "in turn.");
   }
   // Whoever waits on this rank from now on learns at once that it will not
   // come, and the store's host need not wait for it.
@@ -121,6 +131,49 @@ void Ledger::check_peers(uint64_t seq, const std::string& what) {
       CollectiveError, "rank ", rank_, ": ", what, " #", seq, " cannot complete: ", gone,
       " exited without closing its world (a crash, a kill, or an exit before the end); "
       "its own output says why.");
+}
+
+std::string Ledger::silent_peers(const std::map<int, Closed>& closed) {
+  std::lock_guard<std::mutex> lock(heartbeats_mutex_);
+  auto now = Clock::now();
+  if (now < next_heartbeat_check_) {
+    return "";
+  }
+  next_heartbeat_check_ = now + kHeartbeatInterval;
+  if (heartbeats_.empty()) {
+    heartbeats_.assign(size_, {-1, now});
+  }
+  std::string silent;
+  for (int rank = 0; rank < size_; ++rank) {
+    // A peer on this machine is judged by its process, which is exact.
+    if (rank == rank_ || peers_[rank].machine == peers_[rank_].machine ||
+        closed.count(rank) != 0) {
+      continue;
+    }
+    std::optional<int64_t> count;
+    try {
+      count = board_->heartbeats(rank);
+    } catch (const std::exception&) {
+      return ""; // the store's host is gone: the collective itself says so
+    }
+    if (!count) {
+      return ""; // this board carries no heartbeats
+    }
+    auto& [seen, since] = heartbeats_[rank];
+    if (*count != seen) {
+      seen = *count;
+      since = now;
+    } else if (now - since >= kHeartbeatSilence) {
+      silent += str(silent.empty() ? "" : "; ", "rank ", rank, " (pid ", peers_[rank].pid,
+                    " on ", peers_[rank].host, ")");
+    }
+  }
+  if (silent.empty()) {
+    return "";
+  }
+  return silent + " sent no heartbeat for " +
+      std::to_string(std::chrono::duration_cast<std::chrono::seconds>(kHeartbeatSilence).count()) +
+      " s";
 }
 
 bool Ledger::wait_until(const std::function<bool()>& ready,

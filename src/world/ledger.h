@@ -12,7 +12,9 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -73,6 +75,15 @@ class Ledger {
   std::chrono::milliseconds timeout_;
   std::atomic<bool> compare_;
   uint64_t count_at_failure_ = 0;
+
+  // The peers of other machines whose heartbeats stopped for
+  // kHeartbeatSilence, as one phrase ("" for none); looks at most every
+  // kHeartbeatInterval.
+  std::string silent_peers(const std::map<int, Closed>& closed);
+  std::mutex heartbeats_mutex_;
+  // Each peer's heartbeat count when last seen, and since when it is so.
+  std::vector<std::pair<int64_t, std::chrono::steady_clock::time_point>> heartbeats_;
+  std::chrono::steady_clock::time_point next_heartbeat_check_{};
 };
 
 } // namespace lockstep::detail

@@ -5,6 +5,7 @@
 // would grow by a record per collective, and a mapped word costs nothing to
 // read). The ledger's logic is the same over both.
 
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -43,11 +44,28 @@ class LedgerBoard {
   virtual void close(uint64_t count, bool failed, const std::string& cause) = 0;
   /// The ranks that closed, each with its count and whether it failed.
   virtual std::map<int, Closed> closed() = 0;
+  /// How many heartbeats `rank` has sent, where the board carries them
+  /// (across hosts, where a peer's pid cannot be checked): a count that
+  /// stops is a rank stopped, or a host that this one can no longer reach.
+  virtual std::optional<int64_t> heartbeats(int rank) {
+    (void)rank;
+    return std::nullopt;
+  }
 };
 
-/// Records as keys of `store` (already scoped to the job's ledger).
+/// How often a rank sends a heartbeat, and how long a silent peer is given
+/// before a wait names it.
+constexpr auto kHeartbeatInterval = std::chrono::seconds(1);
+constexpr auto kHeartbeatSilence = std::chrono::seconds(5);
+
+/// Records as keys of `store` (already scoped to the job's ledger). With
+/// `heartbeat_store`, a connection to the same store of its own, a thread
+/// sends this rank's heartbeat through it every kHeartbeatInterval.
 std::unique_ptr<LedgerBoard> make_store_board(
-    c10::intrusive_ptr<c10d::Store> store, int rank, int size);
+    c10::intrusive_ptr<c10d::Store> store,
+    int rank,
+    int size,
+    c10::intrusive_ptr<c10d::Store> heartbeat_store = {});
 
 /// Records in the file at `path`, which rank 0 created with
 /// create_mapped_board and every rank maps.

@@ -1,3 +1,8 @@
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <thread>
+
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "compat/c10d.h"
@@ -27,10 +32,65 @@ std::string closed_key(int rank) {
   return "closed/" + std::to_string(rank);
 }
 
+std::string heartbeat_key(int rank) {
+  return "heartbeat/" + std::to_string(rank);
+}
+
+// Shared with the heartbeat's thread, which is never joined: on a link that
+// was cut, its last add may block until the store's timeout, and closing
+// the world must not wait for that.
+struct Heartbeat {
+  std::mutex mutex;
+  std::condition_variable stop_changed;
+  bool stop = false;
+};
+
+void start_heartbeat(c10::intrusive_ptr<c10d::Store> store,
+                     int rank,
+                     std::shared_ptr<Heartbeat> heartbeat) {
+  std::thread([store = std::move(store), rank, heartbeat = std::move(heartbeat)] {
+    std::unique_lock<std::mutex> lock(heartbeat->mutex);
+    while (!heartbeat->stop) {
+      lock.unlock();
+      try {
+        store->add(heartbeat_key(rank), 1);
+      } catch (const std::exception&) {
+        return; // the store is gone: this rank's own waits say so
+      }
+      lock.lock();
+      heartbeat->stop_changed.wait_for(lock, kHeartbeatInterval,
+                                       [&] { return heartbeat->stop; });
+    }
+  }).detach();
+}
+
 class StoreBoard : public LedgerBoard {
  public:
-  StoreBoard(c10::intrusive_ptr<c10d::Store> store, int rank, int size)
-      : store_(std::move(store)), rank_(rank), size_(size) {}
+  StoreBoard(c10::intrusive_ptr<c10d::Store> store,
+             int rank,
+             int size,
+             c10::intrusive_ptr<c10d::Store> heartbeat_store)
+      : store_(std::move(store)), rank_(rank), size_(size) {
+    if (heartbeat_store) {
+      heartbeat_ = std::make_shared<Heartbeat>();
+      start_heartbeat(std::move(heartbeat_store), rank_, heartbeat_);
+    }
+  }
+
+  ~StoreBoard() override {
+    if (heartbeat_) {
+      std::lock_guard<std::mutex> lock(heartbeat_->mutex);
+      heartbeat_->stop = true;
+      heartbeat_->stop_changed.notify_all();
+    }
+  }
+
+  std::optional<int64_t> heartbeats(int rank) override {
+    if (!heartbeat_) {
+      return std::nullopt;
+    }
+    return store_->add(heartbeat_key(rank), 0);
+  }
 
   void post(uint64_t seq, const std::string& what) override {
     store_set(*store_, posted_key(seq, rank_), std::to_string(seq) + " " + what);
@@ -90,13 +150,17 @@ class StoreBoard : public LedgerBoard {
   int rank_;
   int size_;
   bool closed_here_ = false;
+  std::shared_ptr<Heartbeat> heartbeat_;
 };
 
 } // namespace
 
-std::unique_ptr<LedgerBoard> make_store_board(
-    c10::intrusive_ptr<c10d::Store> store, int rank, int size) {
-  return std::make_unique<StoreBoard>(std::move(store), rank, size);
+std::unique_ptr<LedgerBoard> make_store_board(c10::intrusive_ptr<c10d::Store> store,
+                                             int rank,
+                                             int size,
+                                             c10::intrusive_ptr<c10d::Store> heartbeat_store) {
+  return std::make_unique<StoreBoard>(std::move(store), rank, size,
+                                      std::move(heartbeat_store));
 }
 
 } // namespace lockstep::detail
