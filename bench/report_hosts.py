@@ -39,6 +39,10 @@ labels = {
     "lockstep_powersgd1": "lockstep, PowerSGD rank 1",
     "lockstep_powersgd2": "lockstep, PowerSGD rank 2",
     "lockstep_powersgd4": "lockstep, PowerSGD rank 4",
+    "lockstep_cap4": "lockstep, no hook, 4 MiB buckets",
+    "lockstep_cap1": "lockstep, no hook, 1 MiB buckets",
+    "lockstep_fp16_cap4": "lockstep, fp16, 4 MiB buckets",
+    "lockstep_fp16_cap1": "lockstep, fp16, 1 MiB buckets",
 }
 names = {"1gbit": "1 Gbit/s", "10gbit": "10 Gbit/s", "unlimited": "unlimited veth"}
 
