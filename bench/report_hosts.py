@@ -39,10 +39,10 @@ labels = {
     "lockstep_powersgd1": "lockstep, PowerSGD rank 1",
     "lockstep_powersgd2": "lockstep, PowerSGD rank 2",
     "lockstep_powersgd4": "lockstep, PowerSGD rank 4",
-    "lockstep_cap4": "lockstep, no hook, 4 MiB buckets",
-    "lockstep_cap1": "lockstep, no hook, 1 MiB buckets",
-    "lockstep_fp16_cap4": "lockstep, fp16, 4 MiB buckets",
-    "lockstep_fp16_cap1": "lockstep, fp16, 1 MiB buckets",
+    "lockstep_cap25": "lockstep, no hook, buckets fixed at 25 MiB",
+    "lockstep_cap1": "lockstep, no hook, buckets fixed at 1 MiB",
+    "lockstep_fp16_cap25": "lockstep, fp16, buckets fixed at 25 MiB",
+    "lockstep_fp16_cap1": "lockstep, fp16, buckets fixed at 1 MiB",
 }
 names = {"1gbit": "1 Gbit/s", "10gbit": "10 Gbit/s", "unlimited": "unlimited veth"}
 
@@ -67,7 +67,9 @@ lines = [
     f"median of {rounds} round(s). Wire: the bytes per iteration that a host's veth",
     "counted going out (kernel counters, the larger host), not what the library",
     "believes it sent. Ratios are to PyTorch 1.13 DDP without a hook on the same",
-    f"setting. Measured {datetime.date.today()} by `bench/run-hosts`.",
+    "setting. lockstep's buckets are its default (`bucket_cap_mb` unset: 1 MiB where",
+    "the wire takes over 4 times as long as backward, else 25 MiB; docs/ddp.md) unless",
+    f"a row fixes them. Measured {datetime.date.today()} by `bench/run-hosts`.",
     "",
     "What one TCP stream carries on each link (256 MiB, Python sockets): " +
     ", ".join(f"{names.get(link, link)}: {rate} Gbit/s" for link, rate in streams) + ".",

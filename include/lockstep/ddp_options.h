@@ -49,8 +49,10 @@ enum class Bypass {
 /// default that suits most models; docs/ddp.md compares each with PyTorch.
 struct DdpOptions {
   /// Bucket size in MiB: gradients travel in buckets of about this size,
-  /// each all-reduced as soon as all its gradients are ready.
-  TORCH_ARG(double, bucket_cap_mb) = 25.0;
+  /// each all-reduced as soon as all its gradients are ready. Unset: 25
+  /// when every rank shares a host; across hosts, what the link carries in
+  /// 20 ms (between 1 and 25), timed when the wrapper is built.
+  TORCH_ARG(std::optional<double>, bucket_cap_mb);
   /// Size of the first bucket in MiB: small, so that communication starts
   /// early in the backward pass.
   TORCH_ARG(double, first_bucket_cap_mb) = 1.0;

@@ -1,6 +1,7 @@
 // The backward half of the reducer: a parameter's gradient is ready, its
 // bucket leaves when full, and the end of backward completes the iteration.
 
+#include <algorithm>
 #include <sstream>
 #include <utility>
 
@@ -9,6 +10,7 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include "reducer/bucket_cap.h"
 #include "reducer/reducer_state.h"
 #include "timeline/recorder.h"
 
@@ -378,8 +380,23 @@ void Reducer::State::rebuild_buckets() {
   // parameters that were not ready there go last.
   layout.rebuilt = true;
   stats.buckets_rebuilt = true;
-  auto order = at::empty({static_cast<int64_t>(params.size())}, at::kLong);
+  // The last entry: rank 0's bucket cap in bytes, where it is automatic.
+  auto order = at::empty({static_cast<int64_t>(params.size()) + 1}, at::kLong);
   if (world.rank() == 0) {
+    // The last bucket launches when backward's computation ends.
+    double backward_ms = 0;
+    for (double launch_ms : times.launch_ms) {
+      backward_ms = std::max(backward_ms, launch_ms);
+    }
+    int64_t gradient_bytes = 0;
+    for (const auto& bucket : layout.buckets) {
+      gradient_bytes += bucket.bytes();
+    }
+    double cap_mb = automatic_cap ? automatic_bucket_cap_mb(static_cast<double>(gradient_bytes),
+                                                            link_bytes_per_second,
+                                                            backward_ms / 1e3)
+                                  : *options.bucket_cap_mb();
+    order.data_ptr<int64_t>()[params.size()] = static_cast<int64_t>(cap_mb * (1 << 20));
     std::vector<char> placed(params.size(), 0);
     int64_t position = 0;
     auto* data = order.data_ptr<int64_t>();
@@ -397,7 +414,14 @@ void Reducer::State::rebuild_buckets() {
   }
   world.broadcast(order, 0);
   std::vector<size_t> agreed(order.data_ptr<int64_t>(),
-                             order.data_ptr<int64_t>() + order.numel());
+                             order.data_ptr<int64_t>() + params.size());
+  if (automatic_cap) {
+    options.bucket_cap_mb(static_cast<double>(order.data_ptr<int64_t>()[params.size()]) /
+                          (1 << 20));
+    log(str("buckets of ", *options.bucket_cap_mb(), " MiB from now on: the link carries ",
+            link_bytes_per_second / (1 << 20), " MiB/s (a 4 MiB all-reduce, timed when the "
+            "wrapper was built)"));
+  }
   layout_buckets(dense_only(agreed));
 }
 

@@ -14,6 +14,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/modules/embedding.h>
 
+#include "reducer/bucket_cap.h"
 #include "reducer/graph_walk.h"
 #include "reducer/model_state.h"
 #include "reducer/reducer_state.h"
@@ -35,14 +36,19 @@ Reducer::Reducer(torch::nn::Module& module, World world, DdpOptions options)
     : state_(std::make_shared<State>(std::move(world), options)) {
   auto& state = *state_;
   LOCKSTEP_ENFORCE(
-      options.bucket_cap_mb() >= 0 && options.first_bucket_cap_mb() >= 0,
+      options.bucket_cap_mb().value_or(0) >= 0 && options.first_bucket_cap_mb() >= 0,
       ConfigError, "bucket caps must not be negative (bucket_cap_mb=",
-      options.bucket_cap_mb(), ", first_bucket_cap_mb=",
+      options.bucket_cap_mb().value_or(0), ", first_bucket_cap_mb=",
       options.first_bucket_cap_mb(), ").");
   DebugLevel level = options.debug().value_or(state.world.debug());
   state.info = level != DebugLevel::Off;
   if (level == DebugLevel::Detail) {
     state.world.set_debug(DebugLevel::Detail);
+  }
+  if (!options.bucket_cap_mb()) {
+    state.link_bytes_per_second = measure_link(state.world);
+    state.automatic_cap = state.link_bytes_per_second > 0;
+    state.options.bucket_cap_mb(kDefaultBucketCapMb);
   }
 
   std::vector<NamedTensor> all_params;
@@ -136,7 +142,7 @@ void Reducer::State::install_hooks(size_t first) {
 
 void Reducer::State::layout_buckets(const std::vector<size_t>& order) {
   auto plan = plan_buckets(
-      params, order, options.first_bucket_cap_mb(), options.bucket_cap_mb());
+      params, order, options.first_bucket_cap_mb(), *options.bucket_cap_mb());
   std::vector<Bucket> fresh;
   std::vector<size_t> fresh_bucket_of(params.size(), 0);
   std::vector<size_t> fresh_slot_of(params.size(), 0);

@@ -39,6 +39,10 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   World world;
   DdpOptions options;
   bool info = false; // DebugLevel Info or Detail
+  // bucket_cap_mb unset across hosts: the rebuild after the first
+  // iteration chooses it from the link (bucket_cap.h).
+  bool automatic_cap = false;
+  double link_bytes_per_second = 0;
 
   // Trainable parameters, each once, in registration order (then those
   // taken in later).
