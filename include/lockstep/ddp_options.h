@@ -49,9 +49,10 @@ enum class Bypass {
 /// default that suits most models; docs/ddp.md compares each with PyTorch.
 struct DdpOptions {
   /// Bucket size in MiB: gradients travel in buckets of about this size,
-  /// each all-reduced as soon as all its gradients are ready. Unset: 25
-  /// when every rank shares a host; across hosts, what the link carries in
-  /// 20 ms (between 1 and 25), timed when the wrapper is built.
+  /// each all-reduced as soon as all its gradients are ready. Unset: 25,
+  /// except across hosts where the gradients take over 4 times as long on
+  /// the link (timed when the wrapper is built) as the first backward's
+  /// computation: then 1, from the second iteration on.
   TORCH_ARG(std::optional<double>, bucket_cap_mb);
   /// Size of the first bucket in MiB: small, so that communication starts
   /// early in the backward pass.

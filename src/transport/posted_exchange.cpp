@@ -65,7 +65,7 @@ class PostedExchange : public TransportWork {
   ~PostedExchange() override {
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (!done_) {
+      if (!done_ || failure_) { // what is still posted must not outlive its tensors
         for (auto& message : messages_) {
           message->abort();
         }
