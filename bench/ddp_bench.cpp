@@ -13,7 +13,8 @@
 //          one process so that the machine's drift cancels out) |
 //          lockstep_join (lockstep inside a join guard, every rank with the
 //          same batches: what the guard's agreement costs)
-// BENCH_BUCKET_CAP_MB overrides lockstep's bucket cap, to explore its effect;
+// BENCH_OPTIMIZER=adam steps with Adam instead of SGD (the mode gets
+// "_adam"); BENCH_BUCKET_CAP_MB overrides lockstep's bucket cap, to explore its effect;
 // BENCH_HOOK registers a communication hook (the mode gets its name, and
 // rank 0 prints the bytes of the last iteration to stderr). BENCH_NET_DEVICE
 // names the network device that leaves this rank's host: rank 0 prints
@@ -105,7 +106,17 @@ void run(World& world, ModelType model, const std::string& model_name,
       ddp->register_comm_hook(power_sgd->hook());
     }
   }
-  torch::optim::SGD optimizer(model->parameters(), 1e-4);
+  // BENCH_OPTIMIZER=adam: Adam (two state tensors per parameter, read and
+  // written at every step) instead of SGD without momentum.
+  bool adam = std::getenv("BENCH_OPTIMIZER") && std::string(std::getenv("BENCH_OPTIMIZER")) == "adam";
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  if (adam) {
+    optimizer = std::make_unique<torch::optim::Adam>(model->parameters(),
+                                                     torch::optim::AdamOptions(1e-4));
+  } else {
+    optimizer = std::make_unique<torch::optim::SGD>(model->parameters(),
+                                                    torch::optim::SGDOptions(1e-4));
+  }
   auto [x, y] = input_shape.empty() ? lockstep::bench::deterministic_ids()
                                     : lockstep::bench::deterministic_batch(input_shape);
   std::vector<double> times;
@@ -128,7 +139,7 @@ void run(World& world, ModelType model, const std::string& model_name,
       world.set_debug(detail ? DebugLevel::Detail : DebugLevel::Off);
     }
     auto start = std::chrono::steady_clock::now();
-    optimizer.zero_grad();
+    optimizer->zero_grad();
     auto out = ddp ? (*ddp)(x) : model(x);
     torch::nn::functional::cross_entropy(out, y).backward();
     if (mode == "manual") {
@@ -136,7 +147,7 @@ void run(World& world, ModelType model, const std::string& model_name,
         world.all_reduce(param.mutable_grad(), ReduceOp::Average);
       }
     }
-    optimizer.step();
+    optimizer->step();
     if (i >= warmup) {
       (detail ? detail_times : times)
           .push_back(std::chrono::duration<double, std::milli>(
@@ -149,6 +160,9 @@ void run(World& world, ModelType model, const std::string& model_name,
     join->finish();
   }
   std::string reported = alternate ? "lockstep_ab" : mode;
+  if (adam) {
+    reported += "_adam";
+  }
   if (!hook_name.empty()) {
     reported += "_" + hook_name.substr(0, hook_name.find(':'));
     if (world.rank() == 0) {

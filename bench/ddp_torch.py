@@ -4,6 +4,7 @@ line on rank 0.
 
     python3 ddp_torch.py MODEL [ITERATIONS] [WARMUP]
 
+BENCH_OPTIMIZER=adam: Adam instead of SGD, as in ddp_bench.cpp.
 BENCH_NET_DEVICE: as in ddp_bench.cpp, rank 0 prints "wire,MODEL,MODE,BYTES"
 to stderr, the bytes per timed iteration that device's counter saw leave.
 """
@@ -125,7 +126,11 @@ def main():
         state = powerSGD_hook.PowerSGDState(
             None, matrix_approximation_rank=int(hook.split(":")[1]), start_powerSGD_iter=2)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    adam = os.environ.get("BENCH_OPTIMIZER") == "adam"
+    if adam:
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
     x, y = deterministic_ids() if shape is None else deterministic_batch(shape)
     times = []
     # BENCH_TORCH_JOIN=1: the loop inside ddp.join(), every rank with the same batches.
@@ -149,6 +154,8 @@ def main():
     dist.all_reduce(rss, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
         mode = "pytorch_join" if joined else "pytorch"
+        if adam:
+            mode += "_adam"
         if hook:
             mode += "_" + hook.split(":")[0]
         print(f"{name},{mode},{median.item():.2f},{rss.item():.0f}", flush=True)
