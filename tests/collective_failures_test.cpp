@@ -59,6 +59,23 @@ class CollectiveFailures : public ::testing::TestWithParam<WorldSetup> {
     };
     return launch_ranks(options, body);
   }
+
+  // The last rank arrives only after the others gave up on their first
+  // collective (a 1 s timeout); `waiting` runs on the others, which stay
+  // until every one has seen its own timeout.
+  LaunchResult run_with_a_late_rank(const std::function<void(World&)>& waiting) {
+    return run(
+        [waiting](int rank) {
+          World world = init();
+          if (rank == world.size() - 1) {
+            std::this_thread::sleep_for(std::chrono::seconds(4));
+            return;
+          }
+          waiting(world);
+          std::this_thread::sleep_for(std::chrono::seconds(1));
+        },
+        [](RankEnvironment& env) { env["LOCKSTEP_TIMEOUT"] = "1"; });
+  }
 };
 
 INSTANTIATE_TEST_SUITE_P(WorldSetups, CollectiveFailures,
@@ -66,35 +83,24 @@ INSTANTIATE_TEST_SUITE_P(WorldSetups, CollectiveFailures,
                          [](const auto& info) { return info.param.name(); });
 
 TEST_P(CollectiveFailures, AFailedWaitFailsAgainAndTheWorldRefusesWhatFollowsAtOnce) {
-  auto result = run(
-      [](int rank) {
-        World world = init();
-        int last = world.size() - 1;
-        if (rank == last) {
-          // Arrives only after the others gave up.
-          std::this_thread::sleep_for(std::chrono::seconds(4));
-          return;
-        }
-        auto tensor = at::full({1000}, 1.0 + rank);
-        auto pending = world.all_reduce_async(tensor, ReduceOp::Average, "the first");
-        expect_error<TimeoutError>([&] { pending.wait(); }, {"the first #1 did not complete"});
-        // Waiting again must not pass off unreduced (or, over Gloo, partly
-        // reduced) data as the average.
-        expect_error<TimeoutError>([&] { pending.wait(); }, {"the first #1 did not complete"});
-        // What follows fails at once, naming the collective that broke the
-        // world, instead of queueing behind it for the whole timeout.
-        auto start = Clock::now();
-        auto other = at::ones({8});
-        expect_error<CollectiveError>(
-            [&] { world.all_reduce(other); },
-            {"cannot start: collective #1 (the first) failed on this rank, so this world is "
-             "unusable"});
-        expect_error<CollectiveError>([&] { world.barrier(); }, {"unusable"});
-        EXPECT_LT(Clock::now() - start, std::chrono::milliseconds(500));
-        // Stays until every waiting rank has seen its own timeout.
-        std::this_thread::sleep_for(std::chrono::seconds(1));
-      },
-      [](RankEnvironment& env) { env["LOCKSTEP_TIMEOUT"] = "1"; });
+  auto result = run_with_a_late_rank([](World& world) {
+    auto tensor = at::full({1000}, 1.0 + world.rank());
+    auto pending = world.all_reduce_async(tensor, ReduceOp::Average, "the first");
+    expect_error<TimeoutError>([&] { pending.wait(); }, {"the first #1 did not complete"});
+    // Waiting again must not pass off unreduced (or, over Gloo, partly
+    // reduced) data as the average.
+    expect_error<TimeoutError>([&] { pending.wait(); }, {"the first #1 did not complete"});
+    // What follows fails at once, naming the collective that broke the
+    // world, instead of queueing behind it for the whole timeout.
+    auto start = Clock::now();
+    auto other = at::ones({8});
+    expect_error<CollectiveError>(
+        [&] { world.all_reduce(other); },
+        {"cannot start: collective #1 (the first) failed on this rank, so this world is "
+         "unusable"});
+    expect_error<CollectiveError>([&] { world.barrier(); }, {"unusable"});
+    EXPECT_LT(Clock::now() - start, std::chrono::milliseconds(500));
+  });
   EXPECT_TRUE(result.ok()) << result.report();
 }
 
@@ -102,23 +108,11 @@ TEST_P(CollectiveFailures, AFailedWaitFailsAgainAndTheWorldRefusesWhatFollowsAtO
 // thread of the collective's own waits on: a sum that times out must be
 // abandoned (its thread freed, nothing left hanging) when it is dropped.
 TEST_P(CollectiveFailures, ASixteenBitSumThatTimesOutIsAbandoned) {
-  auto result = run(
-      [](int rank) {
-        World world = init();
-        int last = world.size() - 1;
-        if (rank == last) {
-          std::this_thread::sleep_for(std::chrono::seconds(4));
-          return;
-        }
-        {
-          auto tensor = at::full({300000}, 1.0 + rank, at::kHalf);
-          auto pending = world.all_reduce_async(tensor, ReduceOp::Sum, "the half sum");
-          expect_error<TimeoutError>([&] { pending.wait(); },
-                                     {"the half sum #1 did not complete"});
-        }
-        std::this_thread::sleep_for(std::chrono::seconds(1));
-      },
-      [](RankEnvironment& env) { env["LOCKSTEP_TIMEOUT"] = "1"; });
+  auto result = run_with_a_late_rank([](World& world) {
+    auto tensor = at::full({300000}, 1.0 + world.rank(), at::kHalf);
+    auto pending = world.all_reduce_async(tensor, ReduceOp::Sum, "the half sum");
+    expect_error<TimeoutError>([&] { pending.wait(); }, {"the half sum #1 did not complete"});
+  });
   EXPECT_TRUE(result.ok()) << result.report();
 }
 

@@ -1,8 +1,9 @@
 // The built-in communication hooks: plain all-reduce, and the 16-bit
 // compressions. A 16-bit tensor travels as 16 bits and is summed in float32
 // by every transport on the CPU (the shared-memory transport in place, Gloo
-// by gathering the 16-bit tensors: process_group_transport.cpp), started
-// at once so that it crosses while backward goes on.
+// by sending each rank's 16-bit tensor to the others:
+// process_group_transport.cpp), started at once so that it crosses while
+// backward goes on.
 
 #include <lockstep/comm_hook.h>
 

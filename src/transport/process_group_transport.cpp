@@ -1,9 +1,7 @@
 #include "transport/process_group_transport.h"
 
-#include <algorithm>
 #include <atomic>
 #include <condition_variable>
-#include <functional>
 #include <mutex>
 
 #include <ATen/ATen.h>
@@ -18,7 +16,7 @@
 namespace lockstep::detail {
 namespace {
 
-// Set by the backend's callbacks, which may outlive the work that waits.
+// Set by the backend's callback, which may outlive the work that waits.
 struct Completion {
   std::mutex mutex;
   std::condition_variable done_changed;
@@ -26,22 +24,19 @@ struct Completion {
   std::atomic<int64_t> ns{0};
 };
 
-// One collective, carried by one work of the backend.
 class ProcessGroupWork : public TransportWork {
  public:
-  // `finish` puts the result in place once the work has completed (a copy
-  // back from the type the backend reduced), in the thread that sees it
-  // complete.
-  explicit ProcessGroupWork(c10::intrusive_ptr<c10d::Work> work,
-                            std::function<void()> finish = nullptr)
-      : work_(std::move(work)), finish_(std::move(finish)) {
+  // `travelling` is what the backend moves: `result` itself, or a copy in
+  // a type the backend can reduce, copied back on completion.
+  ProcessGroupWork(c10::intrusive_ptr<c10d::Work> work, at::Tensor result, at::Tensor travelling)
+      : work_(std::move(work)), result_(std::move(result)), travelling_(std::move(travelling)) {
     // Waiting on the backend's completion, never on work.wait(slice): to
     // c10d a zero slice means no limit, and every slice that runs out
     // throws a c10::Error, which captures and symbolises a backtrace.
     when_done(*work_, [completion = completion_] {
+      completion->ns.store(steady_now_ns());
       std::lock_guard<std::mutex> lock(completion->mutex);
       completion->done = true;
-      completion->ns.store(steady_now_ns());
       completion->done_changed.notify_all();
     });
   }
@@ -49,16 +44,13 @@ class ProcessGroupWork : public TransportWork {
   bool wait_for(std::chrono::milliseconds slice) override {
     {
       std::unique_lock<std::mutex> lock(completion_->mutex);
-      if (!completion_->done_changed.wait_for(
-              lock, slice, [&] { return completion_->done; })) {
+      if (!completion_->done_changed.wait_for(lock, slice, [&] { return completion_->done; })) {
         return false;
       }
     }
     wait_work(*work_, kNoLimit); // completed, or failed: rethrows the backend's failure
-    if (finish_) {
-      auto finish = std::move(finish_);
-      finish_ = nullptr;
-      finish();
+    if (result_.defined() && !travelling_.is_same(result_)) {
+      result_.copy_(travelling_);
     }
     return true;
   }
@@ -81,7 +73,8 @@ class ProcessGroupWork : public TransportWork {
   static constexpr std::chrono::milliseconds kNoLimit{0};
 
   c10::intrusive_ptr<c10d::Work> work_;
-  std::function<void()> finish_;
+  at::Tensor result_;
+  at::Tensor travelling_;
   std::shared_ptr<Completion> completion_ = std::make_shared<Completion>();
 };
 
@@ -98,9 +91,6 @@ ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<CollectiveBacken
 std::unique_ptr<TransportWork> ProcessGroupTransport::all_reduce(const at::Tensor& tensor,
                                                                  ReduceOp op) {
   auto type = reduction_type(tensor);
-  if (type == tensor.scalar_type()) {
-    return std::make_unique<ProcessGroupWork>(start_all_reduce(*group_, tensor, op));
-  }
   // A 16-bit sum. Gloo cannot add it in float32, so it travels either as
   // 16 bits, every rank's whole tensor sent to every other rank ((n - 1)
   // tensors of 16 bits out of each rank), or widened to float32 through
@@ -108,7 +98,7 @@ std::unique_ptr<TransportWork> ProcessGroupTransport::all_reduce(const at::Tenso
   // bytes up to 4 ranks. Either way each element is summed in float32 in
   // one order and rounded once, so every rank holds the same bits.
   int ranks = group_->getSize();
-  if (op == ReduceOp::Sum && ranks <= 4) {
+  if (type != tensor.scalar_type() && op == ReduceOp::Sum && ranks <= 4) {
     auto flat = tensor.reshape({-1});
     std::vector<at::Tensor> parts;
     std::vector<at::Tensor> travelling;
@@ -130,15 +120,15 @@ std::unique_ptr<TransportWork> ProcessGroupTransport::all_reduce(const at::Tenso
                       room.narrow(0, 0, length));
         });
   }
-  auto widened = tensor.to(type);
-  return std::make_unique<ProcessGroupWork>(
-      start_all_reduce(*group_, widened, op),
-      [tensor, widened]() mutable { tensor.copy_(widened); });
+  at::Tensor travelling = type == tensor.scalar_type() ? tensor : tensor.to(type);
+  return std::make_unique<ProcessGroupWork>(start_all_reduce(*group_, travelling, op), tensor,
+                                            travelling);
 }
 
 std::unique_ptr<TransportWork> ProcessGroupTransport::broadcast(const at::Tensor& tensor,
                                                                 int root) {
-  return std::make_unique<ProcessGroupWork>(start_broadcast(*group_, bitwise_view(tensor), root));
+  return std::make_unique<ProcessGroupWork>(
+      start_broadcast(*group_, bitwise_view(tensor), root), at::Tensor(), at::Tensor());
 }
 
 std::unique_ptr<TransportWork> ProcessGroupTransport::all_gather(
@@ -148,11 +138,11 @@ std::unique_ptr<TransportWork> ProcessGroupTransport::all_gather(
     travelling.push_back(bitwise_view(output));
   }
   return std::make_unique<ProcessGroupWork>(
-      start_all_gather(*group_, travelling, bitwise_view(input)));
+      start_all_gather(*group_, travelling, bitwise_view(input)), at::Tensor(), at::Tensor());
 }
 
 std::unique_ptr<TransportWork> ProcessGroupTransport::barrier() {
-  return std::make_unique<ProcessGroupWork>(start_barrier(*group_));
+  return std::make_unique<ProcessGroupWork>(start_barrier(*group_), at::Tensor(), at::Tensor());
 }
 
 } // namespace lockstep::detail

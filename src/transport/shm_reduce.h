@@ -20,8 +20,8 @@ at::Tensor view(char* data, int64_t elements, at::ScalarType type);
 /// Reduces `inputs` element by element, in rank order, into `out`, which
 /// may be inputs[0]'s memory. Float16 and bfloat16 accumulate in float32,
 /// in `float_room` (out's size), and round once. Gloo's 16-bit sum
-/// (process_group_transport.cpp) reduces its gathered parts here too, so
-/// that both transports give the same bits.
+/// (process_group_transport.cpp) reduces the parts it receives here too,
+/// so that both transports give the same bits.
 void reduce_into(const at::Tensor& out,
                  const std::vector<at::Tensor>& inputs,
                  ReduceOp op,

@@ -214,18 +214,23 @@ std::string claim_or_check(c10d::Store& store, const WorldConfig& config) {
   return their_nonce;
 }
 
+// A client of the job's TCP store, or (`server`) the store itself.
+c10d::TCPStoreOptions tcp_store_options(const WorldConfig& config, bool server) {
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<std::uint16_t>(config.master_port);
+  options.isServer = server;
+  options.waitWorkers = false;
+  options.timeout = config.timeout;
+  choose_tcp_store_server(options);
+  return options;
+}
+
 class TcpJobStore : public JobStore {
  public:
   explicit TcpJobStore(const WorldConfig& config)
       : config_(config), host_here_(config.rank == 0 && !config.agent_store) {
     expect_resolvable(config);
-    c10d::TCPStoreOptions options;
-    options.port = static_cast<std::uint16_t>(config.master_port);
-    options.isServer = host_here_;
-    options.waitWorkers = false;
-    options.timeout = config.timeout;
-    choose_tcp_store_server(options);
-    auto base = connect_and_probe(config, options, host_here_);
+    auto base = connect_and_probe(config, tcp_store_options(config, host_here_), host_here_);
     try {
       nonce_ = claim_or_check(*base, config);
     } catch (const Error&) {
@@ -241,13 +246,8 @@ class TcpJobStore : public JobStore {
   std::unique_ptr<LedgerBoard> ledger_board(int rank, int size) override {
     // The heartbeat has a connection of its own: a c10d store client is
     // not for two threads at once.
-    c10d::TCPStoreOptions options;
-    options.port = static_cast<std::uint16_t>(config_.master_port);
-    options.isServer = false;
-    options.waitWorkers = false;
-    options.timeout = config_.timeout;
-    choose_tcp_store_server(options);
-    auto heartbeat_store = c10::make_intrusive<c10d::TCPStore>(config_.master_addr, options);
+    auto heartbeat_store = c10::make_intrusive<c10d::TCPStore>(
+        config_.master_addr, tcp_store_options(config_, /*server=*/false));
     return make_store_board(
         c10::make_intrusive<c10d::PrefixStore>("ledger", store_), rank, size,
         c10::make_intrusive<c10d::PrefixStore>("ledger", scoped(config_, heartbeat_store)));
