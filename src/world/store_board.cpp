@@ -1,5 +1,4 @@
 #include <condition_variable>
-#include <memory>
 #include <mutex>
 #include <thread>
 
@@ -36,57 +35,36 @@ std::string heartbeat_key(int rank) {
   return "heartbeat/" + std::to_string(rank);
 }
 
-// Shared with the heartbeat's thread, which is never joined: on a link that
-// was cut, its last add may block until the store's timeout, and closing
-// the world must not wait for that.
-struct Heartbeat {
-  std::mutex mutex;
-  std::condition_variable stop_changed;
-  bool stop = false;
-};
-
-void start_heartbeat(c10::intrusive_ptr<c10d::Store> store,
-                     int rank,
-                     std::shared_ptr<Heartbeat> heartbeat) {
-  std::thread([store = std::move(store), rank, heartbeat = std::move(heartbeat)] {
-    std::unique_lock<std::mutex> lock(heartbeat->mutex);
-    while (!heartbeat->stop) {
-      lock.unlock();
-      try {
-        store->add(heartbeat_key(rank), 1);
-      } catch (const std::exception&) {
-        return; // the store is gone: this rank's own waits say so
-      }
-      lock.lock();
-      heartbeat->stop_changed.wait_for(lock, kHeartbeatInterval,
-                                       [&] { return heartbeat->stop; });
-    }
-  }).detach();
-}
-
 class StoreBoard : public LedgerBoard {
  public:
   StoreBoard(c10::intrusive_ptr<c10d::Store> store,
              int rank,
              int size,
              c10::intrusive_ptr<c10d::Store> heartbeat_store)
-      : store_(std::move(store)), rank_(rank), size_(size) {
-    if (heartbeat_store) {
-      heartbeat_ = std::make_shared<Heartbeat>();
-      start_heartbeat(std::move(heartbeat_store), rank_, heartbeat_);
+      : store_(std::move(store)), rank_(rank), size_(size), beats_(heartbeat_store) {
+    if (beats_) {
+      heartbeat_ = std::thread([this, heartbeat_store = std::move(heartbeat_store)] {
+        std::unique_lock<std::mutex> lock(heartbeat_mutex_);
+        while (!heartbeat_stop_) {
+          lock.unlock();
+          try {
+            heartbeat_store->add(heartbeat_key(rank_), 1);
+          } catch (const std::exception&) {
+            return; // the store is gone: this rank's own waits say so
+          }
+          lock.lock();
+          heartbeat_stopped_.wait_for(lock, kHeartbeatInterval, [&] { return heartbeat_stop_; });
+        }
+      });
     }
   }
 
   ~StoreBoard() override {
-    if (heartbeat_) {
-      std::lock_guard<std::mutex> lock(heartbeat_->mutex);
-      heartbeat_->stop = true;
-      heartbeat_->stop_changed.notify_all();
-    }
+    stop_heartbeat();
   }
 
   std::optional<int64_t> heartbeats(int rank) override {
-    if (!heartbeat_) {
+    if (!beats_) {
       return std::nullopt;
     }
     return store_->add(heartbeat_key(rank), 0);
@@ -120,6 +98,10 @@ class StoreBoard : public LedgerBoard {
       return;
     }
     closed_here_ = true;
+    // Before the others can count this rank as closed, and the store's
+    // host leave: LibTorch 1.13's store client aborts the process when its
+    // server goes away under it.
+    stop_heartbeat();
     auto text = std::to_string(count) + (failed ? " failed" : "") +
         (cause.empty() ? "" : "\n" + cause);
     store_set(*store_, closed_key(rank_), text);
@@ -150,7 +132,25 @@ class StoreBoard : public LedgerBoard {
   int rank_;
   int size_;
   bool closed_here_ = false;
-  std::shared_ptr<Heartbeat> heartbeat_;
+
+  // Its own connection: joined, and so closed, when this rank closes. On a
+  // cut link its last add may block until the store's timeout, as the
+  // close record's write does anyway.
+  void stop_heartbeat() {
+    {
+      std::lock_guard<std::mutex> lock(heartbeat_mutex_);
+      heartbeat_stop_ = true;
+    }
+    heartbeat_stopped_.notify_all();
+    if (heartbeat_.joinable()) {
+      heartbeat_.join();
+    }
+  }
+  bool beats_;
+  std::mutex heartbeat_mutex_;
+  std::condition_variable heartbeat_stopped_;
+  bool heartbeat_stop_ = false;
+  std::thread heartbeat_;
 };
 
 } // namespace
