@@ -295,8 +295,7 @@ TEST(JobIsolation, RanksWithTheSecretTrainAndTheSecretStaysOffTheWire) {
   };
   auto result = launch_ranks(options, [](int) {
     World world = init();
-    train_side_by_side<Mlp>(world, [] { return Mlp(); }, DdpOptions(), SideBySide(),
-                            [](auto& model, torch::Tensor x, int64_t, int) { return model(x); });
+    train_side_by_side<Mlp>(world, [] { return Mlp(); }, DdpOptions(), SideBySide(), plain_forward);
     std::string record = read_job_record(std::atoi(std::getenv("MASTER_PORT")));
     EXPECT_EQ(record.find("s3cret"), std::string::npos) << record;
     EXPECT_EQ(record.rfind("default ", 0), 0u) << record;
@@ -397,8 +396,7 @@ TEST(JobIsolation, TheTcpStoreSurvivesGarbageDuringRendezvousAndTraining) {
     World world = init();
     SideBySide setup;
     setup.steps = 20;
-    train_side_by_side<Mlp>(world, [] { return Mlp(); }, DdpOptions(), setup,
-                            [](auto& model, torch::Tensor x, int64_t, int) { return model(x); });
+    train_side_by_side<Mlp>(world, [] { return Mlp(); }, DdpOptions(), setup, plain_forward);
   });
   if (in_rank_process()) {
     return;

@@ -322,8 +322,7 @@ TEST_P(PyTorchCases, ReentrantCheckpointingIsOneIterationPerBackward) {
         WarningHandlerGuard guard(&warnings);
         auto stats = train_side_by_side<Checkpointed>(
             world, [times] { return Checkpointed(times); },
-            DdpOptions().static_graph(static_graph), SideBySide(),
-            [](auto& model, torch::Tensor x, int64_t, int) { return model(x); });
+            DdpOptions().static_graph(static_graph), SideBySide(), plain_forward);
         EXPECT_EQ(stats.iterations, 5);
         EXPECT_TRUE(warnings.messages.empty()) << warnings.messages.front();
       }
