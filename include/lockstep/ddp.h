@@ -17,6 +17,7 @@
 #include <lockstep/ddp_options.h>
 #include <lockstep/ddp_stats.h>
 #include <lockstep/join.h>
+#include <lockstep/step_in_backward.h>
 #include <lockstep/detail/reducer.h>
 #include <lockstep/world.h>
 
@@ -157,6 +158,22 @@ class DistributedDataParallel {
   /// lockstep::hooks::fp16_compress().
   void register_comm_hook(CommHook hook) {
     reducer_->register_comm_hook(std::move(hook));
+  }
+
+  /// Before the first forward, on every rank: `optimizer` steps each
+  /// bucket's parameters as soon as that bucket's average is written back,
+  /// on synchronised backward passes, instead of optimizer.step() after
+  /// backward (which then must not be called: the next forward raises
+  /// UsageError if the parameters changed in place since). A
+  /// ZeroRedundancyOptimizer steps its shard and brings the new parameters
+  /// to every rank there. See step_in_backward.h.
+  void step_in_backward(torch::optim::Optimizer& optimizer,
+                        const StepInBackwardOptions& options = {}) {
+    reducer_->step_in_backward(optimizer, options);
+  }
+  /// The same through the per-parameter seam, for any other way to step.
+  void step_in_backward(ParameterStep step, const StepInBackwardOptions& options = {}) {
+    reducer_->step_in_backward(std::move(step), options);
   }
 
   /// `auto join = ddp.join();` around the training loop lets ranks hold

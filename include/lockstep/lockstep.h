@@ -11,7 +11,9 @@
 #include <lockstep/error.h>
 #include <lockstep/join.h>
 #include <lockstep/power_sgd.h>
+#include <lockstep/step_in_backward.h>
 #include <lockstep/sync_batch_norm.h>
 #include <lockstep/timeline.h>
 #include <lockstep/world.h>
 #include <lockstep/world_options.h>
+#include <lockstep/zero_redundancy_optimizer.h>

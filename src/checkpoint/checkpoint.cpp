@@ -11,6 +11,8 @@
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
+#include <lockstep/zero_redundancy_optimizer.h>
+
 #include "checkpoint/checkpoint_contents.h"
 #include "checkpoint/checkpoint_file.h"
 #include "compat/c10d.h"
@@ -72,27 +74,6 @@ CheckpointItems& CheckpointItems::hook_state(const std::string& name, PowerSGD& 
   return *this;
 }
 
-namespace {
-
-// Each rank's bytes, on every rank (an all-gather of the sizes, then of the
-// bytes padded to the largest).
-std::vector<at::Tensor> gather_bytes(World& world, const std::string& bytes) {
-  auto sizes = world.all_gather(at::tensor({static_cast<int64_t>(bytes.size())}, at::kLong));
-  int64_t widest = 0;
-  for (const auto& size : sizes) {
-    widest = std::max(widest, size.item<int64_t>());
-  }
-  auto mine = at::zeros({widest}, at::kByte);
-  std::memcpy(mine.data_ptr(), bytes.data(), bytes.size());
-  auto all = world.all_gather(mine);
-  for (size_t rank = 0; rank < all.size(); ++rank) {
-    all[rank] = all[rank].narrow(0, 0, sizes[rank].item<int64_t>());
-  }
-  return all;
-}
-
-} // namespace
-
 void save_checkpoint(
     World& world,
     const std::string& path,
@@ -101,9 +82,16 @@ void save_checkpoint(
   // Every rank's random stream, so that each resumes its own (dropout
   // masks, noise and augmentations differ by rank), and its hook states.
   auto states = world.all_gather(at::detail::getDefaultCPUGenerator().get_state());
+  // A ZeroRedundancyOptimizer's state is spread over the ranks: gathered on
+  // rank 0, which writes it.
+  for (const auto& [name, optimizer] : items.optimizers()) {
+    if (auto* sharded = dynamic_cast<detail::ShardedOptimizer*>(optimizer)) {
+      sharded->prepare_save();
+    }
+  }
   std::vector<at::Tensor> hook_states;
   if (!items.hook_states().empty()) {
-    hook_states = gather_bytes(world, detail::serialize_hook_states(items));
+    hook_states = detail::gather_bytes(world, detail::serialize_hook_states(items));
   }
   std::string error;
   if (world.rank() == 0) {

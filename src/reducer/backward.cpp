@@ -225,7 +225,9 @@ void Reducer::State::finalize() {
   reduce_sparse_gradients();
 
   auto wait_start = Clock::now();
-  std::vector<double> global_flags = wait_for_buckets();
+  bool per_bucket = steps_each_bucket();
+  std::vector<double> global_flags =
+      per_bucket ? wait_writing_back_and_stepping() : wait_for_buckets();
   auto wait_end = Clock::now();
 
   int64_t ranks_with_problems = 0;
@@ -238,8 +240,9 @@ void Reducer::State::finalize() {
   if (ranks_with_problems > 0) {
     raise_problems_everywhere(ranks_with_problems);
   }
-  if (!backward.shadowing) {
-    write_back(global_flags); // a rank that ran out keeps its gradients
+  // A rank that ran out keeps its gradients, unless it steps along.
+  if (!per_bucket && (!backward.shadowing || steps_when_shadowing())) {
+    write_back(global_flags);
   }
   used_since_sync.assign(params.size(), 0);
 
@@ -267,6 +270,9 @@ void Reducer::State::finalize() {
   }
   if (trainable_changed) {
     take_in_unfrozen();
+  }
+  if (in_backward_step) {
+    finish_steps();
   }
   if (backward.of_forward == 0) {
     // No forward went through the wrapper to sync the buffers: the
@@ -338,39 +344,45 @@ void Reducer::State::raise_problems_everywhere(int64_t ranks_with_problems) {
 }
 
 void Reducer::State::write_back(const std::vector<double>& global_flags) {
-  at::NoGradGuard no_grad;
   size_t flag = 0;
-  for (auto& bucket : layout.buckets) {
-    if (!comm_hook) {
-      bucket.gradients().div_(gradient_divisor()); // a hook returns the average
+  for (size_t b = 0; b < layout.buckets.size(); ++b) {
+    write_back_bucket(b, global_flags.data() + flag);
+    flag += layout.buckets[b].members().size();
+  }
+}
+
+void Reducer::State::write_back_bucket(size_t b, const double* flags) {
+  at::NoGradGuard no_grad;
+  auto& bucket = layout.buckets[b];
+  if (!comm_hook) {
+    bucket.gradients().div_(gradient_divisor()); // a hook returns the average
+  }
+  for (size_t k = 0; k < bucket.members().size(); ++k) {
+    if (flags[k] == 0) {
+      continue; // used by no rank: its gradient stays as it was
     }
-    for (size_t k = 0; k < bucket.members().size(); ++k, ++flag) {
-      if (global_flags[flag] == 0) {
-        continue; // used by no rank: its gradient stays as it was
-      }
-      size_t index = bucket.members()[k];
-      auto& grad = params[index].mutable_grad();
-      auto slot = bucket.slot(k);
-      bool as_view = options.gradient_as_bucket_view() &&
-          params[index].is_contiguous();
-      if (bucket.holds(k, grad)) {
-        continue;
-      } else if (grad.defined() && grad.requires_grad()) {
-        // backward(create_graph=true): the average, still differentiable
-        // through this rank's own gradient, with its derivative: each
-        // rank's contribution to a penalty on it is then averaged by the
-        // next backward, as one process differentiates its whole batch's.
-        at::AutoGradMode enable(true);
-        grad = grad + (slot - grad).detach();
-      } else if (grad.defined() && grad.is_sparse()) {
-        grad = slot.clone();
-      } else if (as_view) {
-        grad = slot;
-      } else if (grad.defined()) {
-        grad.copy_(slot);
-      } else {
-        grad = slot.clone();
-      }
+    size_t index = bucket.members()[k];
+    auto& grad = params[index].mutable_grad();
+    auto slot = bucket.slot(k);
+    bool as_view = options.gradient_as_bucket_view() &&
+        params[index].is_contiguous();
+    if (bucket.holds(k, grad)) {
+      continue;
+    } else if (grad.defined() && grad.requires_grad()) {
+      // backward(create_graph=true): the average, still differentiable
+      // through this rank's own gradient, with its derivative: each
+      // rank's contribution to a penalty on it is then averaged by the
+      // next backward, as one process differentiates its whole batch's.
+      at::AutoGradMode enable(true);
+      grad = grad + (slot - grad).detach();
+    } else if (grad.defined() && grad.is_sparse()) {
+      grad = slot.clone();
+    } else if (as_view) {
+      grad = slot;
+    } else if (grad.defined()) {
+      grad.copy_(slot);
+    } else {
+      grad = slot.clone();
     }
   }
 }

@@ -5,7 +5,9 @@
 // hook gets the gradients alone, which it may compress; the flags and the
 // extras, which must stay exact, travel in one small float64 all-reduce
 // (the exact lane), started once the last bucket has left so that it runs
-// while the hooks' communication completes.
+// while the hooks' communication completes. With a step inside backward
+// and no hook, each bucket is awaited, written back and stepped in turn,
+// while later buckets are still on their way.
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -113,6 +115,24 @@ std::vector<double> Reducer::State::wait_for_buckets() {
   }
   lane_work.wait();
   return host_values({lane});
+}
+
+std::vector<double> Reducer::State::wait_writing_back_and_stepping() {
+  std::vector<double> global_flags;
+  for (size_t b = 0; b < layout.buckets.size(); ++b) {
+    const auto& bucket = layout.buckets[b];
+    backward.in_flight[b]->wait();
+    bool last = b + 1 == layout.buckets.size();
+    auto flags = host_values(last ? std::vector<at::Tensor>{bucket.flags(), bucket.extras()}
+                                  : std::vector<at::Tensor>{bucket.flags()});
+    global_flags.insert(global_flags.end(), flags.begin(), flags.end());
+    if (last && flags[flags.size() - kExtraCount + kProblems] > 0) {
+      break; // the iteration raises: its last bucket does not step
+    }
+    write_back_bucket(b, flags.data());
+    step_parameters_of(bucket.members());
+  }
+  return global_flags;
 }
 
 } // namespace lockstep::detail

@@ -12,8 +12,10 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/optim/optimizer.h>
-#include <torch/serialize/archive.h>
 
+#include <lockstep/zero_redundancy_optimizer.h>
+
+#include "optim/optimizer_bytes.h"
 #include "reducer/reducer_state.h"
 #include "world/broadcast_bytes.h"
 #include "world/rendezvous.h"
@@ -28,21 +30,11 @@ std::string ranks_named(const std::vector<int>& ranks) {
 // Overwrites `optimizer`'s state with rank `root`'s.
 void broadcast_optimizer(World& world, int root, torch::optim::Optimizer& optimizer,
                          size_t index) {
-  std::string bytes;
-  if (world.rank() == root) {
-    torch::serialize::OutputArchive archive;
-    optimizer.save(archive);
-    std::ostringstream out;
-    archive.save_to(out);
-    bytes = out.str();
-  }
+  std::string bytes = world.rank() == root ? optimizer_bytes(optimizer) : std::string();
   broadcast_bytes(world, root, bytes,
                   str("rank ", root, "'s state of optimizer ", index, " at the end of the join"));
   if (world.rank() != root) {
-    std::istringstream in(bytes);
-    torch::serialize::InputArchive archive;
-    archive.load_from(in);
-    optimizer.load(archive);
+    load_optimizer_bytes(optimizer, bytes);
   }
 }
 
@@ -146,6 +138,15 @@ void Reducer::finish_join() {
       state.open_iteration(state.forwards, /*sync=*/true);
     }
     state.finalize();
+    if (!state.in_backward_step) {
+      // A sharded optimizer's step is collective: this rank steps its shard
+      // with the others' average, as they do.
+      for (auto* optimizer : state.joining->options.optimizers()) {
+        if (auto* sharded = dynamic_cast<ShardedOptimizer*>(optimizer)) {
+          sharded->step();
+        }
+      }
+    }
   }
   std::lock_guard<std::mutex> lock(state.mutex);
   const auto& last = state.joining->last_active;
@@ -165,9 +166,15 @@ void Reducer::finish_join() {
   for (size_t i = 0; i < state.buffers.size(); ++i) {
     state.buffer_versions[i] = state.buffers[i]._version();
   }
+  if (state.in_backward_step) {
+    state.note_parameter_versions();
+  }
+  // A sharded optimizer stepped along on every rank: each shard is current.
   const auto& optimizers = state.joining->options.optimizers();
   for (size_t i = 0; i < optimizers.size(); ++i) {
-    broadcast_optimizer(state.world, root, *optimizers[i], i);
+    if (dynamic_cast<ShardedOptimizer*>(optimizers[i]) == nullptr) {
+      broadcast_optimizer(state.world, root, *optimizers[i], i);
+    }
   }
 }
 

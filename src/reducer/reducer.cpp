@@ -228,6 +228,9 @@ void Reducer::before_forward() {
   state.stats.last = IterationStats{};
   state.forward_start = Clock::now();
   state.sync_at_forward = state.sync_enabled;
+  if (state.in_backward_step) {
+    state.check_no_step_outside();
+  }
   if (state.joining) {
     state.agree_on_join(/*training_here=*/true,
                         at::GradMode::is_enabled() && state.sync_at_forward);

@@ -13,6 +13,7 @@
 
 #include <lockstep/comm_hook.h>
 #include <lockstep/detail/reducer.h>
+#include <lockstep/step_in_backward.h>
 
 #include "reducer/bucket.h"
 #include "reducer/model_state.h"
@@ -127,6 +128,14 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   int64_t timed_forward = 0;
   // How buckets travel besides the built-in all-reduce (comm_hook.h).
   CommHook comm_hook;
+  // ddp.step_in_backward (in_backward_step.cpp).
+  struct InBackwardStep {
+    ParameterStep step;
+    StepInBackwardOptions options;
+    std::vector<char> stepped;     // per parameter, in this iteration
+    std::vector<int64_t> versions; // per parameter, after the last step
+  };
+  std::optional<InBackwardStep> in_backward_step;
 
   // For the timeline and DdpStats, per bucket of the last backward: when it
   // launched (ms after the first gradient), its first gradient, its last,
@@ -191,6 +200,27 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   void finalize();
   void raise_problems_everywhere(int64_t ranks_with_problems);
   void write_back(const std::vector<double>& global_flags);
+  /// Bucket `b`'s average into the gradients; `flags` are its used flags
+  /// summed over ranks.
+  void write_back_bucket(size_t b, const double* flags);
+  /// Whether each bucket is awaited, written back and stepped in turn:
+  /// step_in_backward without clipping or a communication hook.
+  bool steps_each_bucket() const;
+  /// wait_for_buckets, writing back and stepping each bucket once its
+  /// reduction is done; the last bucket is left alone when a rank found a
+  /// problem (the iteration then raises).
+  std::vector<double> wait_writing_back_and_stepping();
+  void step_parameters_of(const std::vector<size_t>& indices);
+  /// After write-back: steps what has not stepped in this iteration
+  /// (clipping first when asked), then notes each parameter's version.
+  void finish_steps();
+  /// Before a forward: raises if a parameter changed in place since the
+  /// last step inside backward (optimizer.step() called as well).
+  void check_no_step_outside() const;
+  void note_parameter_versions();
+  /// Whether a rank that ran out of batches writes the average back, to step
+  /// along with the others.
+  bool steps_when_shadowing() const;
   void rebuild_buckets();
   bool buffers_changed_locally() const;
   /// Collective: whether any rank's buffers changed since the last broadcast.

@@ -1,5 +1,6 @@
 #include "world/broadcast_bytes.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include <ATen/ATen.h>
@@ -17,6 +18,21 @@ void broadcast_bytes(World& world, int root, std::string& bytes, const std::stri
   if (world.rank() != root) {
     bytes.assign(static_cast<const char*>(data.data_ptr()), static_cast<size_t>(data.numel()));
   }
+}
+
+std::vector<at::Tensor> gather_bytes(World& world, const std::string& bytes) {
+  auto sizes = world.all_gather(at::tensor({static_cast<int64_t>(bytes.size())}, at::kLong));
+  int64_t widest = 0;
+  for (const auto& size : sizes) {
+    widest = std::max(widest, size.item<int64_t>());
+  }
+  auto mine = at::zeros({widest}, at::kByte);
+  std::memcpy(mine.data_ptr(), bytes.data(), bytes.size());
+  auto all = world.all_gather(mine);
+  for (size_t rank = 0; rank < all.size(); ++rank) {
+    all[rank] = all[rank].narrow(0, 0, sizes[rank].item<int64_t>());
+  }
+  return all;
 }
 
 } // namespace lockstep::detail

@@ -1,9 +1,11 @@
 #pragma once
 
-// Bytes from one rank to all: a serialized archive (a checkpoint read by
-// rank 0 alone, an optimizer's state at the end of a join).
+// Bytes from one rank to all, or from every rank to all: a serialized
+// archive (a checkpoint read by rank 0 alone, an optimizer's state at the
+// end of a join, the shards of a ZeroRedundancyOptimizer's state).
 
 #include <string>
+#include <vector>
 
 #include <lockstep/world.h>
 
@@ -13,5 +15,9 @@ namespace lockstep::detail {
 /// then its contents). `what` names the broadcasts in errors; empty, they
 /// get World's default names.
 void broadcast_bytes(World& world, int root, std::string& bytes, const std::string& what);
+
+/// Collective: each rank's `bytes`, on every rank (an all-gather of the
+/// sizes, then of the bytes padded to the largest).
+std::vector<at::Tensor> gather_bytes(World& world, const std::string& bytes);
 
 } // namespace lockstep::detail

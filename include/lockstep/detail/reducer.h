@@ -13,11 +13,15 @@
 #include <lockstep/ddp_options.h>
 #include <lockstep/ddp_stats.h>
 #include <lockstep/join.h>
+#include <lockstep/step_in_backward.h>
 #include <lockstep/world.h>
 
 namespace torch::nn {
 class Module;
 } // namespace torch::nn
+namespace torch::optim {
+class Optimizer;
+} // namespace torch::optim
 
 namespace lockstep::detail {
 
@@ -51,6 +55,13 @@ class Reducer {
 
   /// Before the first forward: buckets travel through `hook`.
   void register_comm_hook(CommHook hook);
+
+  /// Before the first forward: `step` steps each bucket's parameters once
+  /// averaged (step_in_backward.h).
+  void step_in_backward(ParameterStep step, const StepInBackwardOptions& options);
+  /// The same with `optimizer` (a ZeroRedundancyOptimizer steps its shard).
+  void step_in_backward(torch::optim::Optimizer& optimizer,
+                        const StepInBackwardOptions& options);
 
   /// Uneven inputs (join.h): from now on, each forward agrees on which
   /// ranks still train.

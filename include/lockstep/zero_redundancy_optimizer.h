@@ -1,0 +1,147 @@
+#pragma once
+
+// ZeroRedundancyOptimizer: each rank holds the optimizer state of its shard
+// of the parameters only (ZeRO stage 1) and steps only that shard; the new
+// parameters then reach every rank from the rank that owns them. PyTorch's
+// torch.distributed.optim.ZeroRedundancyOptimizer, in C++:
+//
+//   lockstep::ZeroRedundancyOptimizer<torch::optim::Adam> optimizer(
+//       ddp.module()->parameters(), world, torch::optim::AdamOptions(1e-3));
+//   optimizer.zero_grad();
+//   torch::nll_loss(ddp(x), y).backward();
+//   optimizer.step();                       // collective
+//
+// `ddp.step_in_backward(optimizer)` instead steps each bucket's part of the
+// shard as soon as the bucket is averaged (PyTorch's overlap_with_ddp). See
+// docs/ddp.md.
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/arg.h>
+#include <torch/optim/optimizer.h>
+
+#include <lockstep/world.h>
+
+namespace lockstep {
+
+/// How a ZeroRedundancyOptimizer saves its state.
+struct ZeroOptions {
+  /// What a checkpoint item of this optimizer holds. False: one consolidated
+  /// state, exactly what a plain optimizer over every parameter saves (a
+  /// plain optimizer can load it, and so can ZeRO at any world size). True:
+  /// each rank's shard as that rank holds it, all gathered into the file; at
+  /// the same world size every rank resumes its own shard, at another the
+  /// shards are put together and partitioned anew.
+  TORCH_ARG(bool, checkpoint_shards) = false;
+};
+
+/// Which rank owns each parameter, given their numbers of elements: largest
+/// first, each to the rank that owns the fewest elements so far (the lowest
+/// such rank), as PyTorch partitions.
+std::vector<int> partition_parameters(const std::vector<int64_t>& numels, int world_size);
+
+namespace detail {
+
+/// The part of ZeroRedundancyOptimizer that does not depend on the
+/// optimizer's type.
+class ShardedOptimizer : public torch::optim::Optimizer {
+ public:
+  using MakeOptimizer =
+      std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)>;
+
+  ShardedOptimizer(std::vector<at::Tensor> params, World world, MakeOptimizer make,
+                   std::unique_ptr<torch::optim::OptimizerOptions> defaults,
+                   ZeroOptions options);
+
+  /// Collective: steps this rank's shard, then every rank takes each
+  /// parameter from the rank that owns it. Takes no closure.
+  at::Tensor step(LossClosure closure = nullptr) override;
+  /// The state as ZeroOptions::checkpoint_shards says; on the rank that
+  /// gathered it (save_checkpoint does: rank 0), after
+  /// consolidate_state_dict when consolidated.
+  void save(torch::serialize::OutputArchive& archive) const override;
+  /// On every rank: takes this rank's shard from a consolidated state (as
+  /// saved by ZeRO or by a plain optimizer of the same type over the same
+  /// parameters) or from gathered shards of any world size.
+  void load(torch::serialize::InputArchive& archive) override;
+
+  /// Collective: gathers every rank's shard of the state on rank `to`,
+  /// where consolidated() then holds all of it (PyTorch's
+  /// consolidate_state_dict; save() writes it).
+  void consolidate_state_dict(int to = 0);
+  /// On the rank named by the last consolidate_state_dict: an optimizer of
+  /// the same type over every parameter, holding the whole state.
+  torch::optim::Optimizer& consolidated();
+
+  /// The rank that owns each parameter, in the order of parameters().
+  const std::vector<int>& owners() const {
+    return owners_;
+  }
+  /// The optimizer over this rank's shard.
+  torch::optim::Optimizer& local_optimizer() {
+    return *local_;
+  }
+  /// Bytes of this rank's optimizer state, as its shard saves.
+  int64_t state_bytes() const;
+
+  /// From DistributedDataParallel::step_in_backward: from now on the steps
+  /// come through step_parameters, and step() is an error.
+  void steps_in_backward();
+  /// Collective: steps this rank's part of `params`, then every rank takes
+  /// each of `params` from its owner.
+  void step_parameters(const std::vector<at::Tensor>& params);
+  /// Collective, from save_checkpoint: gathers on rank 0 what save() writes.
+  void prepare_save();
+
+ private:
+  /// Every rank's shard as bytes, on rank `to`.
+  std::vector<std::string> gather_shards(int to);
+  /// An optimizer over every parameter, holding the state of `shards`
+  /// saved under the partition of `world_size` ranks.
+  std::unique_ptr<torch::optim::Optimizer> assemble(
+      const std::vector<std::string>& shards, int world_size);
+  /// Makes the local optimizer hold `full`'s state of this rank's shard.
+  void take_shard_from(torch::optim::Optimizer& full);
+  /// The learning rate and the other options, as a scheduler set them on
+  /// this optimizer's group, into `target`'s groups.
+  void copy_options_to(torch::optim::Optimizer& target) const;
+  void broadcast_from_owners(const std::vector<at::Tensor>& params);
+
+  World world_;
+  MakeOptimizer make_;
+  ZeroOptions options_;
+  std::vector<int> owners_;
+  std::vector<at::Tensor> shard_;
+  std::unique_ptr<torch::optim::Optimizer> local_;
+  std::unique_ptr<torch::optim::Optimizer> consolidated_;
+  std::vector<std::string> gathered_; // ZeroOptions::checkpoint_shards, on rank 0
+  bool in_backward_ = false;
+};
+
+} // namespace detail
+
+/// A sharded `Optim` (torch::optim::Adam, AdamW, SGD, ...): see the top of
+/// this header. Built on every rank with the same parameters; one parameter
+/// group (a learning-rate scheduler sets its options as usual).
+template <typename Optim>
+class ZeroRedundancyOptimizer : public detail::ShardedOptimizer {
+ public:
+  template <typename OptimOptions>
+  ZeroRedundancyOptimizer(std::vector<at::Tensor> params, World world,
+                          const OptimOptions& options, ZeroOptions zero = {})
+      : ShardedOptimizer(
+            std::move(params), std::move(world),
+            [options](std::vector<at::Tensor> shard) -> std::unique_ptr<torch::optim::Optimizer> {
+              return std::make_unique<Optim>(std::move(shard), options);
+            },
+            std::make_unique<OptimOptions>(options), zero) {}
+
+  Optim& local() {
+    return static_cast<Optim&>(local_optimizer());
+  }
+};
+
+} // namespace lockstep

@@ -1,0 +1,139 @@
+// ddp.step_in_backward: the optimizer steps each bucket's parameters once
+// that bucket's average is written back (bucket_reduction.cpp waits for
+// them in turn), while the later buckets' reductions go on. What steps is a
+// ParameterStep: any torch::optim optimizer through step_parameters, or a
+// ZeroRedundancyOptimizer's shard step, which also brings the new
+// parameters to every rank. The reducer does not know which.
+
+#include <algorithm>
+
+#include <torch/nn/utils/clip_grad.h>
+#include <torch/optim/optimizer.h>
+
+#include <lockstep/zero_redundancy_optimizer.h>
+
+#include "reducer/reducer_state.h"
+
+namespace lockstep::detail {
+
+void Reducer::step_in_backward(ParameterStep step, const StepInBackwardOptions& options) {
+  auto& state = *state_;
+  std::lock_guard<std::mutex> lock(state.mutex);
+  LOCKSTEP_ENFORCE(step != nullptr, UsageError, "step_in_backward needs an optimizer or a "
+                   "ParameterStep that steps the parameters it is given.");
+  LOCKSTEP_ENFORCE(
+      state.forwards == 0 && state.iteration == 0, UsageError, "step_in_backward must come "
+      "before the first forward, on every rank (this one comes after ", state.forwards,
+      " forward(s)): every rank must step its parameters in the same iterations.");
+  LOCKSTEP_ENFORCE(!state.in_backward_step, UsageError, "an optimizer already steps inside "
+                   "backward for this DistributedDataParallel; registering a second would "
+                   "step every parameter twice. Register one, once.");
+  LOCKSTEP_ENFORCE(!options.max_grad_norm() || *options.max_grad_norm() > 0, UsageError,
+                   "StepInBackwardOptions::max_grad_norm must be positive, not ",
+                   *options.max_grad_norm(), ".");
+  state.in_backward_step = State::InBackwardStep{std::move(step), options, {}, {}};
+}
+
+void Reducer::step_in_backward(torch::optim::Optimizer& optimizer,
+                               const StepInBackwardOptions& options) {
+  std::vector<const c10::TensorImpl*> mine;
+  for (const auto& entry : state_->all_params) {
+    mine.push_back(entry.tensor.unsafeGetTensorImpl());
+  }
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& param : group.params()) {
+      LOCKSTEP_ENFORCE(
+          std::find(mine.begin(), mine.end(), param.unsafeGetTensorImpl()) != mine.end(),
+          UsageError, "the optimizer given to step_in_backward holds a ", param.sizes(),
+          " tensor that is not a parameter of the wrapped module: stepping inside backward "
+          "steps the module's parameters as their buckets are averaged, and this one would "
+          "never step. Give that tensor an optimizer of its own.");
+    }
+  }
+  if (auto* sharded = dynamic_cast<ShardedOptimizer*>(&optimizer)) {
+    sharded->steps_in_backward();
+    step_in_backward([sharded](const std::vector<at::Tensor>& params) {
+      sharded->step_parameters(params);
+    }, options);
+    return;
+  }
+  step_in_backward([&optimizer](const std::vector<at::Tensor>& params) {
+    lockstep::step_parameters(optimizer, params);
+  }, options);
+}
+
+bool Reducer::State::steps_each_bucket() const {
+  return in_backward_step && !comm_hook && !in_backward_step->options.max_grad_norm();
+}
+
+bool Reducer::State::steps_when_shadowing() const {
+  if (in_backward_step) {
+    return true;
+  }
+  if (joining) {
+    for (auto* optimizer : joining->options.optimizers()) {
+      if (dynamic_cast<ShardedOptimizer*>(optimizer) != nullptr) {
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+void Reducer::State::step_parameters_of(const std::vector<size_t>& indices) {
+  auto& stepping = *in_backward_step;
+  stepping.stepped.resize(params.size(), 0);
+  std::vector<at::Tensor> chosen;
+  for (size_t index : indices) {
+    if (!stepping.stepped[index]) {
+      stepping.stepped[index] = 1;
+      chosen.push_back(params[index]);
+    }
+  }
+  if (!chosen.empty()) {
+    stepping.step(chosen);
+  }
+}
+
+void Reducer::State::finish_steps() {
+  auto& stepping = *in_backward_step;
+  stepping.stepped.resize(params.size(), 0);
+  if (stepping.options.max_grad_norm()) {
+    torch::nn::utils::clip_grad_norm_(params, *stepping.options.max_grad_norm());
+  }
+  for (const auto& bucket : layout.buckets) {
+    step_parameters_of(bucket.members());
+  }
+  // Sparse parameters, and those taken in at this iteration's end.
+  std::vector<size_t> rest;
+  for (size_t index = 0; index < params.size(); ++index) {
+    rest.push_back(index);
+  }
+  step_parameters_of(rest);
+  stepping.stepped.assign(params.size(), 0);
+  note_parameter_versions();
+}
+
+void Reducer::State::check_no_step_outside() const {
+  const auto& versions = in_backward_step->versions;
+  for (size_t index = 0; index < versions.size() && index < params.size(); ++index) {
+    LOCKSTEP_ENFORCE(
+        params[index]._version() == versions[index], UsageError, "rank ", world.rank(),
+        ": parameter '", names[index], "' changed in place after the step inside backward "
+        "of iteration ", iteration, ": optimizer.step() was called although "
+        "ddp.step_in_backward(optimizer) already stepped every parameter (a second step "
+        "with the same gradients). Remove the call to optimizer.step(). (Anything else that "
+        "writes the parameters in place between iterations is taken for such a step: do it "
+        "before the first forward.)");
+  }
+}
+
+void Reducer::State::note_parameter_versions() {
+  auto& versions = in_backward_step->versions;
+  versions.clear();
+  for (const auto& param : params) {
+    versions.push_back(param._version());
+  }
+}
+
+} // namespace lockstep::detail
