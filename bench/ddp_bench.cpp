@@ -14,7 +14,10 @@
 //          lockstep_join (lockstep inside a join guard, every rank with the
 //          same batches: what the guard's agreement costs)
 // BENCH_OPTIMIZER=adam steps with Adam instead of SGD (the mode gets
-// "_adam"); BENCH_BUCKET_CAP_MB overrides lockstep's bucket cap, to explore its effect;
+// "_adam"); BENCH_ZERO=1 shards it (ZeroRedundancyOptimizer, "_zero") and
+// BENCH_STEP_IN_BACKWARD=1 steps it inside backward ("_in_backward"): rank
+// 0 prints "state,MODEL,MODE,BYTES" to stderr, the optimizer state's bytes
+// on the rank that holds the most; BENCH_BUCKET_CAP_MB overrides lockstep's bucket cap, to explore its effect;
 // BENCH_HOOK registers a communication hook (the mode gets its name, and
 // rank 0 prints the bytes of the last iteration to stderr). BENCH_NET_DEVICE
 // names the network device that leaves this rank's host: rank 0 prints
@@ -30,6 +33,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <sstream>
 #include <string>
 
 #include <torch/torch.h>
@@ -74,6 +78,15 @@ double wire_bytes() {
   return bytes;
 }
 
+// What `optimizer` saves, in bytes: its state.
+int64_t saved_bytes(const torch::optim::Optimizer& optimizer) {
+  torch::serialize::OutputArchive archive;
+  optimizer.save(archive);
+  std::ostringstream out;
+  archive.save_to(out);
+  return static_cast<int64_t>(out.str().size());
+}
+
 template <typename ModelType>
 void run(World& world, ModelType model, const std::string& model_name,
          const std::string& mode, std::vector<int64_t> input_shape,
@@ -109,13 +122,27 @@ void run(World& world, ModelType model, const std::string& model_name,
   // BENCH_OPTIMIZER=adam: Adam (two state tensors per parameter, read and
   // written at every step) instead of SGD without momentum.
   bool adam = std::getenv("BENCH_OPTIMIZER") && std::string(std::getenv("BENCH_OPTIMIZER")) == "adam";
+  // BENCH_ZERO=1: that optimizer sharded (ZeroRedundancyOptimizer);
+  // BENCH_STEP_IN_BACKWARD=1: it steps inside backward.
+  bool zero = std::getenv("BENCH_ZERO") && std::string(std::getenv("BENCH_ZERO")) == "1";
+  bool in_backward = std::getenv("BENCH_STEP_IN_BACKWARD") &&
+                     std::string(std::getenv("BENCH_STEP_IN_BACKWARD")) == "1";
   std::unique_ptr<torch::optim::Optimizer> optimizer;
-  if (adam) {
+  if (adam && zero) {
+    optimizer = std::make_unique<ZeroRedundancyOptimizer<torch::optim::Adam>>(
+        model->parameters(), world, torch::optim::AdamOptions(1e-4));
+  } else if (adam) {
     optimizer = std::make_unique<torch::optim::Adam>(model->parameters(),
                                                      torch::optim::AdamOptions(1e-4));
+  } else if (zero) {
+    optimizer = std::make_unique<ZeroRedundancyOptimizer<torch::optim::SGD>>(
+        model->parameters(), world, torch::optim::SGDOptions(1e-4));
   } else {
     optimizer = std::make_unique<torch::optim::SGD>(model->parameters(),
                                                     torch::optim::SGDOptions(1e-4));
+  }
+  if (in_backward) {
+    ddp->step_in_backward(*optimizer);
   }
   auto [x, y] = input_shape.empty() ? lockstep::bench::deterministic_ids()
                                     : lockstep::bench::deterministic_batch(input_shape);
@@ -147,7 +174,9 @@ void run(World& world, ModelType model, const std::string& model_name,
         world.all_reduce(param.mutable_grad(), ReduceOp::Average);
       }
     }
-    optimizer->step();
+    if (!in_backward) {
+      optimizer->step();
+    }
     if (i >= warmup) {
       (detail ? detail_times : times)
           .push_back(std::chrono::duration<double, std::milli>(
@@ -162,6 +191,22 @@ void run(World& world, ModelType model, const std::string& model_name,
   std::string reported = alternate ? "lockstep_ab" : mode;
   if (adam) {
     reported += "_adam";
+  }
+  if (zero) {
+    reported += "_zero";
+  }
+  if (in_backward) {
+    reported += "_in_backward";
+  }
+  // The optimizer's state on this rank, as it saves (the largest over ranks).
+  auto state_bytes = torch::tensor(
+      {static_cast<double>(zero ? dynamic_cast<lockstep::detail::ShardedOptimizer&>(*optimizer).state_bytes()
+                                : saved_bytes(*optimizer))},
+      torch::kDouble);
+  world.all_reduce(state_bytes, ReduceOp::Max);
+  if (world.rank() == 0) {
+    std::fprintf(stderr, "state,%s,%s,%.0f\n", model_name.c_str(), reported.c_str(),
+                 state_bytes.item<double>());
   }
   if (!hook_name.empty()) {
     reported += "_" + hook_name.substr(0, hook_name.find(':'));

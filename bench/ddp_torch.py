@@ -4,7 +4,8 @@ line on rank 0.
 
     python3 ddp_torch.py MODEL [ITERATIONS] [WARMUP]
 
-BENCH_OPTIMIZER=adam: Adam instead of SGD, as in ddp_bench.cpp.
+BENCH_OPTIMIZER=adam: Adam instead of SGD, as in ddp_bench.cpp; BENCH_TORCH_ZERO=1:
+Adam inside PyTorch's ZeroRedundancyOptimizer.
 BENCH_NET_DEVICE: as in ddp_bench.cpp, rank 0 prints "wire,MODEL,MODE,BYTES"
 to stderr, the bytes per timed iteration that device's counter saw leave.
 """
@@ -127,7 +128,12 @@ def main():
             None, matrix_approximation_rank=int(hook.split(":")[1]), start_powerSGD_iter=2)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     adam = os.environ.get("BENCH_OPTIMIZER") == "adam"
-    if adam:
+    # BENCH_TORCH_ZERO=1: PyTorch's ZeroRedundancyOptimizer over Adam.
+    zero = os.environ.get("BENCH_TORCH_ZERO") == "1"
+    if zero:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-4)
+    elif adam:
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
@@ -154,8 +160,10 @@ def main():
     dist.all_reduce(rss, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
         mode = "pytorch_join" if joined else "pytorch"
-        if adam:
+        if adam or zero:
             mode += "_adam"
+        if zero:
+            mode += "_zero"
         if hook:
             mode += "_" + hook.split(":")[0]
         print(f"{name},{mode},{median.item():.2f},{rss.item():.0f}", flush=True)

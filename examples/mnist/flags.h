@@ -18,7 +18,10 @@ inline const char* const kUsage = R"(usage: mnist_train [flags]
   --data DIR             MNIST IDX files (default: $LOCKSTEP_DATA_DIR/mnist, else data/mnist)
   --epochs N             (default 1)
   --batch-size N         per rank (default 64)
-  --lr X                 SGD learning rate, momentum 0.9 (default 0.02)
+  --lr X                 learning rate (default 0.02 for SGD, 0.001 for Adam)
+  --optimizer NAME       sgd (momentum 0.9, the default) | adam
+  --zero                 shard the optimizer's state across ranks (ZeroRedundancyOptimizer)
+  --step-in-backward     step each bucket's parameters inside backward (ddp.step_in_backward)
   --seed N               model initialisation (default 1)
   --checkpoint-dir DIR   write DIR/checkpoint.pt after each epoch
   --resume               start after the epoch in DIR/checkpoint.pt, if any
@@ -43,7 +46,10 @@ struct Flags {
   std::string data;
   int64_t epochs = 1;
   int64_t batch_size = 64;
-  double lr = 0.02;
+  double lr = 0;  // 0: the optimizer's default
+  std::string optimizer = "sgd";
+  bool zero = false;
+  bool step_in_backward = false;
   uint64_t seed = 1;
   std::string checkpoint_dir;
   bool resume = false;
@@ -88,6 +94,15 @@ inline Flags parse_flags(int argc, char** argv) {
       flags.batch_size = std::max<int64_t>(1, number());
     } else if (arg == "--lr") {
       flags.lr = std::atof(value().c_str());
+    } else if (arg == "--optimizer") {
+      flags.optimizer = value();
+      if (flags.optimizer != "sgd" && flags.optimizer != "adam") {
+        throw FlagError("--optimizer takes sgd or adam, not '" + flags.optimizer + "'");
+      }
+    } else if (arg == "--zero") {
+      flags.zero = true;
+    } else if (arg == "--step-in-backward") {
+      flags.step_in_backward = true;
     } else if (arg == "--seed") {
       flags.seed = static_cast<uint64_t>(number());
     } else if (arg == "--checkpoint-dir") {
@@ -128,6 +143,9 @@ inline Flags parse_flags(int argc, char** argv) {
   if (flags.uneven && flags.sync_bn) {
     throw FlagError("--uneven and --sync-bn do not go together: SyncBatchNorm communicates in "
                     "every forward, which a rank that ran out of batches cannot run");
+  }
+  if (flags.lr == 0) {
+    flags.lr = flags.optimizer == "adam" ? 0.001 : 0.02;
   }
   return flags;
 }

@@ -124,6 +124,25 @@ void maybe_crash(const lockstep::World& world, int64_t epoch, int64_t step) {
   }
 }
 
+// SGD with momentum or Adam, whole on each rank or sharded across ranks.
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const mnist::Flags& flags,
+                                                        std::vector<torch::Tensor> params,
+                                                        lockstep::World& world) {
+  using lockstep::ZeroRedundancyOptimizer;
+  auto sgd = torch::optim::SGDOptions(flags.lr).momentum(0.9);
+  auto adam = torch::optim::AdamOptions(flags.lr);
+  if (flags.optimizer == "adam") {
+    if (flags.zero) {
+      return std::make_unique<ZeroRedundancyOptimizer<torch::optim::Adam>>(params, world, adam);
+    }
+    return std::make_unique<torch::optim::Adam>(params, adam);
+  }
+  if (flags.zero) {
+    return std::make_unique<ZeroRedundancyOptimizer<torch::optim::SGD>>(params, world, sgd);
+  }
+  return std::make_unique<torch::optim::SGD>(params, sgd);
+}
+
 int run(const mnist::Flags& flags) {
   at::set_num_threads(flags.threads);
   mnist::require_data(flags.data);
@@ -156,8 +175,11 @@ int run(const mnist::Flags& flags) {
                           .start_powerSGD_iter(10));
     ddp.register_comm_hook(power_sgd->hook());
   }
-  torch::optim::SGD optimizer(
-      model->parameters(), torch::optim::SGDOptions(flags.lr).momentum(0.9));
+  auto owned_optimizer = make_optimizer(flags, model->parameters(), world);
+  auto& optimizer = *owned_optimizer;
+  if (flags.step_in_backward) {
+    ddp.step_in_backward(optimizer);
+  }
   lockstep::CheckpointItems saved;
   saved.module("model", *model).optimizer("optimizer", optimizer);
   if (power_sgd) {
@@ -215,7 +237,7 @@ int run(const mnist::Flags& flags) {
       optimizer.zero_grad();
       auto loss = torch::nll_loss(ddp(batch.data), batch.target);
       loss.backward();
-      {
+      if (!flags.step_in_backward) {
         lockstep::TimelineSpan span("optimizer step");
         optimizer.step();
       }

@@ -15,6 +15,9 @@ struct IterationStats {
   double backward_ms = 0;
   /// Time the end of backward spent waiting for buckets still in flight.
   double comm_wait_ms = 0;
+  /// Time the optimizer stepped inside backward (ddp.step_in_backward),
+  /// part of backward_ms and not of comm_wait_ms.
+  double step_ms = 0;
   /// Bytes handed to all-reduce (gradients and per-parameter flags).
   int64_t bytes_reduced = 0;
   /// Buffer broadcasts before forward (each covers all buffers).

@@ -18,6 +18,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include <torch/arg.h>
@@ -76,7 +77,12 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   /// the same type over every parameter, holding the whole state.
   torch::optim::Optimizer& consolidated();
 
-  /// The rank that owns each parameter, in the order of parameters().
+  /// Every parameter, in the order given (torch::optim's parameters()
+  /// warns that it is going away).
+  const std::vector<at::Tensor>& all_parameters() const {
+    return param_groups().front().params();
+  }
+  /// The rank that owns each parameter, in the order of all_parameters().
   const std::vector<int>& owners() const {
     return owners_;
   }
@@ -114,6 +120,7 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   MakeOptimizer make_;
   ZeroOptions options_;
   std::vector<int> owners_;
+  std::unordered_map<const c10::TensorImpl*, int> owner_of_;
   std::vector<at::Tensor> shard_;
   std::unique_ptr<torch::optim::Optimizer> local_;
   std::unique_ptr<torch::optim::Optimizer> consolidated_;

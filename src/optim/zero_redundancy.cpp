@@ -86,12 +86,15 @@ ShardedOptimizer::ShardedOptimizer(std::vector<at::Tensor> params, World world,
       world_(std::move(world)),
       make_(std::move(make)),
       options_(options) {
-  owners_ = partition_parameters(numels_of(parameters()), world_.size());
-  shard_ = owned_by(parameters(), owners_, world_.rank());
+  owners_ = partition_parameters(numels_of(all_parameters()), world_.size());
+  shard_ = owned_by(all_parameters(), owners_, world_.rank());
+  for (size_t i = 0; i < owners_.size(); ++i) {
+    owner_of_[all_parameters()[i].unsafeGetTensorImpl()] = owners_[i];
+  }
   local_ = make_(shard_);
   // Every rank must hold the same parameters, or the owners disagree and
   // each broadcast pairs different tensors.
-  auto mine = at::tensor(numels_of(parameters()), at::kLong);
+  auto mine = at::tensor(numels_of(all_parameters()), at::kLong);
   auto first = mine.clone();
   world_.broadcast(first, 0, "the parameter sizes of a ZeroRedundancyOptimizer");
   LOCKSTEP_ENFORCE(first.equal(mine), UsageError, "rank ", world_.rank(), ": this "
@@ -116,7 +119,7 @@ at::Tensor ShardedOptimizer::step(LossClosure closure) {
                    "every shard twice with the same gradients. Remove the call to step().");
   copy_options_to(*local_);
   local_->step();
-  broadcast_from_owners(parameters());
+  broadcast_from_owners(all_parameters());
   return {};
 }
 
@@ -127,14 +130,10 @@ void ShardedOptimizer::steps_in_backward() {
 }
 
 void ShardedOptimizer::step_parameters(const std::vector<at::Tensor>& params) {
-  std::unordered_map<const c10::TensorImpl*, int> owner_of;
-  for (size_t i = 0; i < parameters().size(); ++i) {
-    owner_of[parameters()[i].unsafeGetTensorImpl()] = owners_[i];
-  }
   std::vector<at::Tensor> mine;
   for (const auto& param : params) {
-    auto owner = owner_of.find(param.unsafeGetTensorImpl());
-    if (owner != owner_of.end() && owner->second == world_.rank()) {
+    auto owner = owner_of_.find(param.unsafeGetTensorImpl());
+    if (owner != owner_of_.end() && owner->second == world_.rank()) {
       mine.push_back(param);
     }
   }
@@ -146,14 +145,10 @@ void ShardedOptimizer::step_parameters(const std::vector<at::Tensor>& params) {
 }
 
 void ShardedOptimizer::broadcast_from_owners(const std::vector<at::Tensor>& params) {
-  std::unordered_map<const c10::TensorImpl*, int> owner_of;
-  for (size_t i = 0; i < parameters().size(); ++i) {
-    owner_of[parameters()[i].unsafeGetTensorImpl()] = owners_[i];
-  }
   at::NoGradGuard no_grad;
   for (const auto& param : params) {
-    auto owner = owner_of.find(param.unsafeGetTensorImpl());
-    if (owner == owner_of.end()) {
+    auto owner = owner_of_.find(param.unsafeGetTensorImpl());
+    if (owner == owner_of_.end()) {
       continue; // not this optimizer's: the same on every rank
     }
     auto values = param.detach();
@@ -183,11 +178,11 @@ std::vector<std::string> ShardedOptimizer::gather_shards(int to) {
 
 std::unique_ptr<torch::optim::Optimizer> ShardedOptimizer::assemble(
     const std::vector<std::string>& shards, int world_size) {
-  auto owners = partition_parameters(numels_of(parameters()), world_size);
-  auto full = make_(parameters());
+  auto owners = partition_parameters(numels_of(all_parameters()), world_size);
+  auto full = make_(all_parameters());
   copy_options_to(*full);
   for (int rank = 0; rank < world_size; ++rank) {
-    auto part = make_(owned_by(parameters(), owners, rank));
+    auto part = make_(owned_by(all_parameters(), owners, rank));
     load_optimizer_bytes(*part, shards[rank]);
     for (auto& [key, state] : part->state()) {
       full->state()[key] = std::move(state);
@@ -260,7 +255,7 @@ void ShardedOptimizer::load(torch::serialize::InputArchive& archive) {
     }
     full = assemble(shards, static_cast<int>(count.toInt()));
   } else {
-    full = make_(parameters());
+    full = make_(all_parameters());
     full->load(archive);
   }
   take_shard_from(*full);

@@ -229,6 +229,8 @@ void Reducer::State::finalize() {
   std::vector<double> global_flags =
       per_bucket ? wait_writing_back_and_stepping() : wait_for_buckets();
   auto wait_end = Clock::now();
+  // The steps of each bucket's parameters happen while waiting: not waiting.
+  double stepped_while_waiting = stats.last.step_ms;
 
   int64_t ranks_with_problems = 0;
   bool trainable_changed = false;
@@ -283,9 +285,10 @@ void Reducer::State::finalize() {
   stats.iterations += 1;
   auto backward_start = backward.from_forward_end ? forward_end : backward.first_gradient;
   stats.last.backward_ms = ms_between(backward_start, Clock::now());
-  stats.last.comm_wait_ms = ms_between(wait_start, wait_end);
+  stats.last.comm_wait_ms = ms_between(wait_start, wait_end) - stepped_while_waiting;
   stats.total.backward_ms += stats.last.backward_ms;
   stats.total.comm_wait_ms += stats.last.comm_wait_ms;
+  stats.total.step_ms += stats.last.step_ms;
   stats.total.bytes_reduced += stats.last.bytes_reduced;
   stats.bucket_launch_ms = times.launch_ms;
   stats.backward_end_ms = ms_between(backward.first_gradient, backward_end);

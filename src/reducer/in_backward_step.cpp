@@ -91,7 +91,9 @@ void Reducer::State::step_parameters_of(const std::vector<size_t>& indices) {
     }
   }
   if (!chosen.empty()) {
+    auto start = Clock::now();
     stepping.step(chosen);
+    stats.last.step_ms += ms_between(start, Clock::now());
   }
 }
 
