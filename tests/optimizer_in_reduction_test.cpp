@@ -33,6 +33,10 @@ const char* name_of(Way way) {
                                 : "ZeRO stepping in backward";
 }
 
+void PrintTo(Way way, std::ostream* out) {
+  *out << name_of(way);
+}
+
 torch::optim::SGDOptions sgd_options() {
   return torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(1e-2);
 }

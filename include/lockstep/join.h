@@ -36,7 +36,10 @@ struct JoinOptions {
   /// guard's end also copies from the last rank to finish. Without this, the
   /// ranks that ran out keep a state that lags, and the replicas drift apart
   /// again at the next step of a stateful optimizer (PyTorch's join leaves
-  /// it so).
+  /// it so). A ZeroRedundancyOptimizer named here instead steps along on
+  /// the ranks that ran out, with the others' averages: its step is
+  /// collective. (An optimizer that steps inside backward steps along by
+  /// itself.)
   TORCH_ARG(std::vector<torch::optim::Optimizer*>, optimizers) = {};
 };
 
