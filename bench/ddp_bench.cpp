@@ -14,7 +14,8 @@
 //          lockstep_join (lockstep inside a join guard, every rank with the
 //          same batches: what the guard's agreement costs)
 // BENCH_OPTIMIZER=adam steps with Adam instead of SGD (the mode gets
-// "_adam"); BENCH_ZERO=1 shards it (ZeroRedundancyOptimizer, "_zero") and
+// "_adam"); BENCH_ZERO=1 shards it (ZeroRedundancyOptimizer, "_zero"; =slices
+// in equal slices of the elements, "_zero_slices") and
 // BENCH_STEP_IN_BACKWARD=1 steps it inside backward ("_in_backward"): rank
 // 0 prints "state,MODEL,MODE,BYTES" to stderr, the optimizer state's bytes
 // on the rank that holds the most; BENCH_BUCKET_CAP_MB overrides lockstep's bucket cap, to explore its effect;
@@ -124,19 +125,22 @@ void run(World& world, ModelType model, const std::string& model_name,
   bool adam = std::getenv("BENCH_OPTIMIZER") && std::string(std::getenv("BENCH_OPTIMIZER")) == "adam";
   // BENCH_ZERO=1: that optimizer sharded (ZeroRedundancyOptimizer);
   // BENCH_STEP_IN_BACKWARD=1: it steps inside backward.
-  bool zero = std::getenv("BENCH_ZERO") && std::string(std::getenv("BENCH_ZERO")) == "1";
+  std::string zero_setting = std::getenv("BENCH_ZERO") ? std::getenv("BENCH_ZERO") : "";
+  bool zero = zero_setting == "1" || zero_setting == "slices";
+  auto zero_options = ZeroOptions().partition(zero_setting == "slices" ? ZeroPartition::Elements
+                                                                       : ZeroPartition::Parameters);
   bool in_backward = std::getenv("BENCH_STEP_IN_BACKWARD") &&
                      std::string(std::getenv("BENCH_STEP_IN_BACKWARD")) == "1";
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   if (adam && zero) {
     optimizer = std::make_unique<ZeroRedundancyOptimizer<torch::optim::Adam>>(
-        model->parameters(), world, torch::optim::AdamOptions(1e-4));
+        model->parameters(), world, torch::optim::AdamOptions(1e-4), zero_options);
   } else if (adam) {
     optimizer = std::make_unique<torch::optim::Adam>(model->parameters(),
                                                      torch::optim::AdamOptions(1e-4));
   } else if (zero) {
     optimizer = std::make_unique<ZeroRedundancyOptimizer<torch::optim::SGD>>(
-        model->parameters(), world, torch::optim::SGDOptions(1e-4));
+        model->parameters(), world, torch::optim::SGDOptions(1e-4), zero_options);
   } else {
     optimizer = std::make_unique<torch::optim::SGD>(model->parameters(),
                                                     torch::optim::SGDOptions(1e-4));
@@ -193,7 +197,7 @@ void run(World& world, ModelType model, const std::string& model_name,
     reported += "_adam";
   }
   if (zero) {
-    reported += "_zero";
+    reported += zero_setting == "slices" ? "_zero_slices" : "_zero";
   }
   if (in_backward) {
     reported += "_in_backward";

@@ -128,7 +128,8 @@ void expect_bit_identical(torch::nn::Module& actual, torch::nn::Module& expected
 }
 
 // `way` beside plain DDP with optimizer.step() and beside one process.
-void train_three_ways(World& world, Kind kind, Way way, const Scenario& scenario) {
+void train_three_ways(World& world, Kind kind, Way way, const Scenario& scenario,
+                      ZeroPartition partition = ZeroPartition::Parameters) {
   int n = world.size();
   int rank = world.rank();
   Mlp model = float64_mlp(3);
@@ -137,7 +138,8 @@ void train_three_ways(World& world, Kind kind, Way way, const Scenario& scenario
   DDP<Mlp> ddp(model, world, one_parameter_per_bucket());
   DDP<Mlp> plain_ddp(plain, world);
   auto optimizer = optimizer_of(way, kind, ddp, world,
-                                StepInBackwardOptions().max_grad_norm(scenario.clip));
+                                StepInBackwardOptions().max_grad_norm(scenario.clip),
+                                ZeroOptions().partition(partition));
   auto plain_optimizer_ = plain_optimizer(kind, plain->parameters());
   auto reference_optimizer = plain_optimizer(kind, reference->parameters());
   std::vector<std::unique_ptr<torch::optim::StepLR>> schedulers;
@@ -202,6 +204,10 @@ TEST_P(OptimizerInReduction, MatchesPlainDdpBitForBitAndOneProcess) {
     for (auto kind : {Kind::Sgd, Kind::Adam, Kind::AdamW}) {
       SCOPED_TRACE(name_of(kind));
       train_three_ways(world, kind, way, {});
+      if (way != Way::InBackward) {
+        SCOPED_TRACE("equal slices of the elements");
+        train_three_ways(world, kind, way, {}, ZeroPartition::Elements);
+      }
     }
     {
       SCOPED_TRACE("no_sync on every other backward, with a scheduler");
@@ -310,15 +316,18 @@ TEST_P(OptimizerInReduction, ResumesFromACheckpointExactly) {
   auto result = launch_ranks(launch, [way = way](int rank) {
     World world = init();
     int n = world.size();
-    for (bool shards : {false, true}) {
-      if (shards && way == Way::InBackward) {
-        continue;
-      }
-      SCOPED_TRACE(shards ? "each rank's shard saved" : "consolidated");
-      auto path = shared_folder() + "/resume" + (shards ? "-shards" : "");
+    std::vector<ZeroOptions> variants{ZeroOptions()};
+    if (way != Way::InBackward) {
+      variants.push_back(ZeroOptions().checkpoint_shards(true));
+      variants.push_back(ZeroOptions().checkpoint_shards(true).partition(ZeroPartition::Elements));
+    }
+    for (size_t v = 0; v < variants.size(); ++v) {
+      auto zero = variants[v];
+      SCOPED_TRACE(zero.checkpoint_shards() ? "each rank's shard saved" : "consolidated");
+      SCOPED_TRACE(zero.partition() == ZeroPartition::Elements ? "equal slices" : "parameters");
+      auto path = shared_folder() + "/resume" + std::to_string(v);
       DDP<Mlp> ddp(float64_mlp(3), world, one_parameter_per_bucket());
-      auto optimizer = optimizer_of(way, Kind::Adam, ddp, world, {},
-                                    ZeroOptions().checkpoint_shards(shards));
+      auto optimizer = optimizer_of(way, Kind::Adam, ddp, world, {}, zero);
       torch::optim::StepLR scheduler(*optimizer, 1, 0.5);
       train_steps(ddp, *optimizer, way == Way::Zero, 0, 2, rank, n);
       scheduler.step();
@@ -326,8 +335,7 @@ TEST_P(OptimizerInReduction, ResumesFromACheckpointExactly) {
       train_steps(ddp, *optimizer, way == Way::Zero, 2, 4, rank, n);
 
       DDP<Mlp> resumed(float64_mlp(9), world);
-      auto resumed_optimizer = optimizer_of(way, Kind::Adam, resumed, world, {},
-                                            ZeroOptions().checkpoint_shards(shards));
+      auto resumed_optimizer = optimizer_of(way, Kind::Adam, resumed, world, {}, zero);
       load_checkpoint(world, path, *resumed.module(), *resumed_optimizer);
       train_steps(resumed, *resumed_optimizer, way == Way::Zero, 2, 4, rank, n);
       expect_bit_identical(*resumed.module(), *ddp.module(), "after the resume");
@@ -381,19 +389,27 @@ TEST(ZeroCheckpoint, ResumesAtAnotherWorldSize) {
     auto shards = optimizer_of(Way::ZeroInBackward, Kind::Adam, sharded, world, {},
                                ZeroOptions().checkpoint_shards(true));
     auto whole = optimizer_of(Way::Zero, Kind::Adam, consolidated, world);
+    DDP<Mlp> sliced(float64_mlp(3), world);
+    auto slices = optimizer_of(
+        Way::ZeroInBackward, Kind::Adam, sliced, world, {},
+        ZeroOptions().checkpoint_shards(true).partition(ZeroPartition::Elements));
     train_steps(plain, *plain_optimizer_, true, 0, 3, rank, 4);
     train_steps(sharded, *shards, false, 0, 3, rank, 4);
     train_steps(consolidated, *whole, true, 0, 3, rank, 4);
+    train_steps(sliced, *slices, false, 0, 3, rank, 4);
     save_checkpoint(world, shared_folder() + "/plain", *plain.module(), *plain_optimizer_);
     save_checkpoint(world, shared_folder() + "/shards", *sharded.module(), *shards);
     save_checkpoint(world, shared_folder() + "/consolidated", *consolidated.module(), *whole);
+    save_checkpoint(world, shared_folder() + "/slices", *sliced.module(), *slices);
   });
   ASSERT_TRUE(write.ok()) << write.report();
   auto read = launch_ranks(with_folder(2), [](int rank) {
     World world = init();
-    auto resume = [&](const std::string& file, Way way, bool zero) {
+    auto resume = [&](const std::string& file, Way way, bool zero,
+                      ZeroPartition partition = ZeroPartition::Parameters) {
       auto ddp = std::make_unique<DDP<Mlp>>(float64_mlp(11), world);
-      auto optimizer = zero ? optimizer_of(way, Kind::Adam, *ddp, world)
+      auto optimizer = zero ? optimizer_of(way, Kind::Adam, *ddp, world, {},
+                                           ZeroOptions().partition(partition))
                             : plain_optimizer(Kind::Adam, ddp->module()->parameters());
       load_checkpoint(world, shared_folder() + "/" + file, *ddp->module(), *optimizer);
       train_steps(*ddp, *optimizer, way == Way::Zero || !zero, 3, 5, rank, 2);
@@ -406,44 +422,54 @@ TEST(ZeroCheckpoint, ResumesAtAnotherWorldSize) {
                          *plain->module(), "ZeRO from the consolidated state");
     expect_bit_identical(*resume("consolidated", Way::Zero, false)->module(), *plain->module(),
                          "a plain Adam from ZeRO's consolidated state");
+    expect_bit_identical(*resume("slices", Way::Zero, true)->module(), *plain->module(),
+                         "ZeRO by parameters from 4 ranks' slices");
+    expect_bit_identical(
+        *resume("shards", Way::Zero, true, ZeroPartition::Elements)->module(), *plain->module(),
+        "ZeRO in slices from 4 ranks' shards by parameters");
+    expect_bit_identical(
+        *resume("plain", Way::ZeroInBackward, true, ZeroPartition::Elements)->module(),
+        *plain->module(), "ZeRO in slices from a plain Adam's state");
   });
   EXPECT_TRUE(read.ok()) << read.report();
 }
 
-// Each rank holds the state of its shard alone: at 2 and 4 ranks, the
-// largest shard's state is 1/N of a plain optimizer's (equal parameters,
-// so an even partition exists and is found), give or take the archive's
-// own bytes. (bench/run-optimizer measures it on the MLP beside plain Adam.)
+// Each rank holds the state of its shard alone. By parameters, with 8 equal
+// ones, an even partition exists and is found; in equal slices, any model
+// divides evenly (here the test MLP, whose tensors are all of other sizes).
+// The largest rank's saved state is then 1/N of the moments, plus at most
+// 64 KiB of archive. (bench/run-optimizer measures the 10.5M MLP.)
 TEST(ZeroState, EachRankHoldsItsShardAlone) {
   for (int n : {2, 4}) {
     SCOPED_TRACE(std::to_string(n) + " ranks");
     run_ranks(n, [](int) {
       World world = init();
       torch::manual_seed(1);
-      torch::nn::Sequential layers;
+      torch::nn::Sequential equal;
       for (int i = 0; i < 8; ++i) {
-        layers->push_back(torch::nn::Linear(torch::nn::LinearOptions(128, 128).bias(false)));
+        equal->push_back(torch::nn::Linear(torch::nn::LinearOptions(128, 128).bias(false)));
       }
-      DDP<torch::nn::Sequential> ddp(layers, world);
-      ZeroRedundancyOptimizer<torch::optim::Adam> zero(layers->parameters(), world,
-                                                       torch::optim::AdamOptions(1e-3));
-      auto x = torch::randn({4, 128});
-      zero.zero_grad();
-      ddp(x).sum().backward();
-      zero.step();
-      std::vector<int> owned(world.size(), 0);
-      for (int owner : zero.owners()) {
-        ++owned[owner];
+      Mlp uneven(300, 200, 7);
+      for (auto partition : {ZeroPartition::Parameters, ZeroPartition::Elements}) {
+        auto params = partition == ZeroPartition::Parameters ? equal->parameters()
+                                                             : uneven->parameters();
+        int64_t total = 0;
+        for (const auto& param : params) {
+          total += param.numel();
+        }
+        ZeroRedundancyOptimizer<torch::optim::Adam> zero(
+            params, world, torch::optim::AdamOptions(1e-3), ZeroOptions().partition(partition));
+        for (auto& param : params) {
+          param.mutable_grad() = torch::ones_like(param);
+        }
+        zero.step();
+        auto bytes = torch::tensor({static_cast<double>(zero.state_bytes())}, torch::kDouble);
+        world.all_reduce(bytes, ReduceOp::Max);
+        // exp_avg and exp_avg_sq of a 1/N share of the float32 elements.
+        double moments = 2.0 * 4 * static_cast<double>((total + world.size() - 1) / world.size());
+        EXPECT_GE(bytes.item<double>(), moments);
+        EXPECT_LE(bytes.item<double>(), moments + 65536);
       }
-      for (int count : owned) {
-        EXPECT_EQ(count, 8 / world.size());
-      }
-      auto bytes = torch::tensor({static_cast<double>(zero.state_bytes())}, torch::kDouble);
-      world.all_reduce(bytes, ReduceOp::Max);
-      // The moments of 8 / N tensors of 128 x 128 float32, and at most 64 KiB of archive.
-      double moments = 2.0 * 8 / world.size() * 128 * 128 * 4;
-      EXPECT_GE(bytes.item<double>(), moments);
-      EXPECT_LE(bytes.item<double>(), moments + 65536);
     });
   }
 }

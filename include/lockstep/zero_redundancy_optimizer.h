@@ -28,21 +28,48 @@
 
 namespace lockstep {
 
-/// How a ZeroRedundancyOptimizer saves its state.
+/// How a ZeroRedundancyOptimizer divides the parameters among the ranks.
+enum class ZeroPartition {
+  /// Whole parameters, largest first, each to the rank that owns the fewest
+  /// elements so far (PyTorch's rule). A model of few large tensors cannot
+  /// be divided evenly so.
+  Parameters,
+  /// Equal slices of all parameters laid end to end (DeepSpeed's way): every
+  /// rank owns 1/N of the elements, a parameter may be split between ranks.
+  /// For optimizers that treat each element on its own, as every one in
+  /// torch::optim does (LBFGS aside), the result is the same to the bit.
+  Elements,
+};
+
+/// How a ZeroRedundancyOptimizer shards and saves its state.
 struct ZeroOptions {
+  /// How the parameters are divided among the ranks.
+  TORCH_ARG(ZeroPartition, partition) = ZeroPartition::Parameters;
   /// What a checkpoint item of this optimizer holds. False: one consolidated
   /// state, exactly what a plain optimizer over every parameter saves (a
   /// plain optimizer can load it, and so can ZeRO at any world size). True:
   /// each rank's shard as that rank holds it, all gathered into the file; at
-  /// the same world size every rank resumes its own shard, at another the
-  /// shards are put together and partitioned anew.
+  /// the same world size and partition every rank resumes its own shard, at
+  /// another the shards are put together and partitioned anew.
   TORCH_ARG(bool, checkpoint_shards) = false;
 };
 
-/// Which rank owns each parameter, given their numbers of elements: largest
-/// first, each to the rank that owns the fewest elements so far (the lowest
-/// such rank), as PyTorch partitions.
-std::vector<int> partition_parameters(const std::vector<int64_t>& numels, int world_size);
+/// A part of one parameter that one rank owns: elements [offset, offset +
+/// length) of parameter `param`, flattened.
+struct ZeroPiece {
+  size_t param = 0;
+  int64_t offset = 0;
+  int64_t length = 0;
+  int owner = 0;
+};
+
+/// The pieces of parameters of `numels` elements among `world_size` ranks,
+/// in parameter order (and, within one, in offset order). Parameters: one
+/// piece per parameter, largest first, each to the rank that owns the fewest
+/// elements so far (the lowest such rank). Elements: rank r owns elements
+/// [r S, (r + 1) S) of all parameters end to end, S = ceil(total / N).
+std::vector<ZeroPiece> partition_parameters(const std::vector<int64_t>& numels, int world_size,
+                                            ZeroPartition partition = ZeroPartition::Parameters);
 
 namespace detail {
 
@@ -82,9 +109,9 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   const std::vector<at::Tensor>& all_parameters() const {
     return param_groups().front().params();
   }
-  /// The rank that owns each parameter, in the order of all_parameters().
-  const std::vector<int>& owners() const {
-    return owners_;
+  /// Who owns what, as partition_parameters says.
+  const std::vector<ZeroPiece>& pieces() const {
+    return pieces_;
   }
   /// The optimizer over this rank's shard.
   torch::optim::Optimizer& local_optimizer() {
@@ -106,11 +133,17 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   /// Every rank's shard as bytes, on rank `to`.
   std::vector<std::string> gather_shards(int to);
   /// An optimizer over every parameter, holding the state of `shards`
-  /// saved under the partition of `world_size` ranks.
+  /// saved under `partition` among `world_size` ranks.
   std::unique_ptr<torch::optim::Optimizer> assemble(
-      const std::vector<std::string>& shards, int world_size);
+      const std::vector<std::string>& shards, int world_size, ZeroPartition partition);
   /// Makes the local optimizer hold `full`'s state of this rank's shard.
   void take_shard_from(torch::optim::Optimizer& full);
+  /// The tensor that a piece steps as: its parameter when whole, else a
+  /// flat view of its elements.
+  at::Tensor piece_tensor(const ZeroPiece& piece) const;
+  /// Gives the pieces of parameters that are not whole their part of the
+  /// parameter's gradient.
+  void point_piece_gradients();
   /// The learning rate and the other options, as a scheduler set them on
   /// this optimizer's group, into `target`'s groups.
   void copy_options_to(torch::optim::Optimizer& target) const;
@@ -119,9 +152,11 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   World world_;
   MakeOptimizer make_;
   ZeroOptions options_;
-  std::vector<int> owners_;
-  std::unordered_map<const c10::TensorImpl*, int> owner_of_;
-  std::vector<at::Tensor> shard_;
+  std::vector<ZeroPiece> pieces_;
+  // Per parameter, by its TensorImpl: the indices of its pieces.
+  std::unordered_map<const c10::TensorImpl*, std::vector<size_t>> pieces_of_;
+  std::vector<size_t> mine_;         // indices of this rank's pieces
+  std::vector<at::Tensor> shard_;    // their tensors, as the local optimizer holds them
   std::unique_ptr<torch::optim::Optimizer> local_;
   std::unique_ptr<torch::optim::Optimizer> consolidated_;
   std::vector<std::string> gathered_; // ZeroOptions::checkpoint_shards, on rank 0

@@ -1,6 +1,9 @@
 // ZeroRedundancyOptimizer's shard: who owns what, the shard's step, the
 // parameters brought back from their owners, and the state put together
-// (consolidated, or from shards) for checkpoints.
+// (consolidated, or from shards) for checkpoints. A shard is a list of
+// pieces: whole parameters, or (ZeroPartition::Elements) flat slices of them,
+// which the local optimizer steps as tensors of their own sharing the
+// parameter's memory.
 
 #include <lockstep/zero_redundancy_optimizer.h>
 
@@ -8,7 +11,6 @@
 #include <numeric>
 #include <sstream>
 #include <type_traits>
-#include <unordered_map>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -23,49 +25,148 @@
 
 namespace lockstep {
 
-std::vector<int> partition_parameters(const std::vector<int64_t>& numels, int world_size) {
+std::vector<ZeroPiece> partition_parameters(const std::vector<int64_t>& numels, int world_size,
+                                            ZeroPartition partition) {
+  std::vector<ZeroPiece> pieces;
+  if (partition == ZeroPartition::Elements) {
+    int64_t total = std::accumulate(numels.begin(), numels.end(), int64_t{0});
+    int64_t slice = std::max<int64_t>(1, (total + world_size - 1) / world_size);
+    int64_t start = 0; // of the current parameter, end to end
+    for (size_t index = 0; index < numels.size(); ++index) {
+      for (int64_t offset = 0; offset < numels[index];) {
+        int owner = static_cast<int>((start + offset) / slice);
+        int64_t length = std::min(numels[index] - offset, (owner + 1) * slice - start - offset);
+        pieces.push_back({index, offset, length, owner});
+        offset += length;
+      }
+      start += numels[index];
+    }
+    return pieces;
+  }
   std::vector<size_t> largest_first(numels.size());
   std::iota(largest_first.begin(), largest_first.end(), 0);
   std::stable_sort(largest_first.begin(), largest_first.end(),
                    [&](size_t a, size_t b) { return numels[a] > numels[b]; });
   std::vector<int64_t> owned(world_size, 0);
-  std::vector<int> owners(numels.size(), 0);
+  pieces.resize(numels.size());
   for (size_t index : largest_first) {
     int rank = static_cast<int>(std::min_element(owned.begin(), owned.end()) - owned.begin());
-    owners[index] = rank;
+    pieces[index] = {index, 0, numels[index], rank};
     owned[rank] += numels[index];
   }
-  return owners;
+  return pieces;
 }
 
 namespace detail {
 namespace {
 
 constexpr const char* kShardCount = "lockstep_zero_shards";
+constexpr const char* kShardPartition = "lockstep_zero_partition";
 
-// The key of `param` in an optimizer's state: its TensorImpl, as a string
+// The key of `tensor` in an optimizer's state: its TensorImpl, as a string
 // in LibTorch 1.x and as a pointer in 2.x.
 template <typename Map>
-typename Map::key_type state_key(const Map&, const at::Tensor& param) {
+typename Map::key_type state_key(const Map&, const at::Tensor& tensor) {
   using Key = typename Map::key_type;
   if constexpr (std::is_same_v<Key, std::string>) {
     std::ostringstream key;
-    key << param.unsafeGetTensorImpl();
+    key << tensor.unsafeGetTensorImpl();
     return key.str();
   } else {
-    return static_cast<Key>(param.unsafeGetTensorImpl());
+    return static_cast<Key>(tensor.unsafeGetTensorImpl());
   }
 }
 
-std::vector<at::Tensor> owned_by(const std::vector<at::Tensor>& params,
-                                 const std::vector<int>& owners, int rank) {
-  std::vector<at::Tensor> shard;
-  for (size_t i = 0; i < params.size(); ++i) {
-    if (owners[i] == rank) {
-      shard.push_back(params[i]);
+std::unique_ptr<torch::optim::OptimizerParamState> take_state(torch::optim::Optimizer& optimizer,
+                                                              const at::Tensor& tensor) {
+  auto found = optimizer.state().find(state_key(optimizer.state(), tensor));
+  if (found == optimizer.state().end()) {
+    return nullptr;
+  }
+  auto state = std::move(found->second);
+  optimizer.state().erase(found);
+  return state;
+}
+
+void put_state(torch::optim::Optimizer& optimizer, const at::Tensor& tensor,
+               std::unique_ptr<torch::optim::OptimizerParamState> state) {
+  if (state) {
+    optimizer.state()[state_key(optimizer.state(), tensor)] = std::move(state);
+  }
+}
+
+// A parameter's state field by field (step counts, moment tensors), through
+// its own serialization: the same for every optimizer of torch::optim.
+using Fields = std::vector<std::pair<std::string, c10::IValue>>;
+
+Fields fields_of(const torch::optim::OptimizerParamState& state) {
+  torch::serialize::OutputArchive out;
+  state.serialize(out);
+  std::ostringstream bytes;
+  out.save_to(bytes);
+  std::istringstream source(bytes.str());
+  torch::serialize::InputArchive in;
+  in.load_from(source);
+  Fields fields;
+  for (const auto& key : in.keys()) {
+    c10::IValue value;
+    in.read(key, value);
+    fields.emplace_back(key, value);
+  }
+  return fields;
+}
+
+std::unique_ptr<torch::optim::OptimizerParamState> state_with(
+    const torch::optim::OptimizerParamState& like, const Fields& fields) {
+  torch::serialize::OutputArchive out;
+  for (const auto& [key, value] : fields) {
+    out.write(key, value);
+  }
+  std::ostringstream bytes;
+  out.save_to(bytes);
+  std::istringstream source(bytes.str());
+  torch::serialize::InputArchive in;
+  in.load_from(source);
+  auto state = like.clone();
+  state->serialize(in);
+  return state;
+}
+
+// A whole parameter's state from its pieces' (in offset order): the
+// element-wise tensors laid end to end, the rest (step counts) the first's.
+std::unique_ptr<torch::optim::OptimizerParamState> joined_state(
+    const std::vector<std::unique_ptr<torch::optim::OptimizerParamState>>& parts,
+    const std::vector<int64_t>& lengths, const at::Tensor& param) {
+  std::vector<Fields> each;
+  for (const auto& part : parts) {
+    each.push_back(fields_of(*part));
+  }
+  Fields joined = each.front();
+  for (size_t f = 0; f < joined.size(); ++f) {
+    auto& [key, value] = joined[f];
+    if (!value.isTensor() || value.toTensor().numel() != lengths.front()) {
+      continue;
+    }
+    std::vector<at::Tensor> slices;
+    for (const auto& fields : each) {
+      slices.push_back(fields[f].second.toTensor().reshape({-1}));
+    }
+    value = at::cat(slices).reshape(param.sizes());
+  }
+  return state_with(*parts.front(), joined);
+}
+
+// Elements [offset, offset + length) of a whole parameter's state.
+std::unique_ptr<torch::optim::OptimizerParamState> state_slice(
+    const torch::optim::OptimizerParamState& whole, const at::Tensor& param, int64_t offset,
+    int64_t length) {
+  Fields fields = fields_of(whole);
+  for (auto& [key, value] : fields) {
+    if (value.isTensor() && value.toTensor().numel() == param.numel()) {
+      value = value.toTensor().reshape({-1}).narrow(0, offset, length).clone();
     }
   }
-  return shard;
+  return state_with(whole, fields);
 }
 
 std::vector<int64_t> numels_of(const std::vector<at::Tensor>& params) {
@@ -86,15 +187,25 @@ ShardedOptimizer::ShardedOptimizer(std::vector<at::Tensor> params, World world,
       world_(std::move(world)),
       make_(std::move(make)),
       options_(options) {
-  owners_ = partition_parameters(numels_of(all_parameters()), world_.size());
-  shard_ = owned_by(all_parameters(), owners_, world_.rank());
-  for (size_t i = 0; i < owners_.size(); ++i) {
-    owner_of_[all_parameters()[i].unsafeGetTensorImpl()] = owners_[i];
+  const auto& all = all_parameters();
+  pieces_ = partition_parameters(numels_of(all), world_.size(), options_.partition());
+  for (size_t p = 0; p < pieces_.size(); ++p) {
+    const auto& piece = pieces_[p];
+    LOCKSTEP_ENFORCE(piece.length == all[piece.param].numel() ||
+                         all[piece.param].is_contiguous(),
+                     UsageError, "ZeroPartition::Elements splits a parameter of shape ",
+                     all[piece.param].sizes(), " that is not contiguous; make it contiguous "
+                     "or partition by parameters.");
+    pieces_of_[all[piece.param].unsafeGetTensorImpl()].push_back(p);
+    if (piece.owner == world_.rank()) {
+      mine_.push_back(p);
+      shard_.push_back(piece_tensor(piece));
+    }
   }
   local_ = make_(shard_);
   // Every rank must hold the same parameters, or the owners disagree and
   // each broadcast pairs different tensors.
-  auto mine = at::tensor(numels_of(all_parameters()), at::kLong);
+  auto mine = at::tensor(numels_of(all), at::kLong);
   auto first = mine.clone();
   world_.broadcast(first, 0, "the parameter sizes of a ZeroRedundancyOptimizer");
   LOCKSTEP_ENFORCE(first.equal(mine), UsageError, "rank ", world_.rank(), ": this "
@@ -102,6 +213,27 @@ ShardedOptimizer::ShardedOptimizer(std::vector<at::Tensor> params, World world,
                    mine.numel(), " against ", first.numel(), " tensors, or the same count in "
                    "another shape): every rank must build it over the same parameters, in "
                    "the same order.");
+}
+
+at::Tensor ShardedOptimizer::piece_tensor(const ZeroPiece& piece) const {
+  const auto& param = all_parameters()[piece.param];
+  if (piece.length == param.numel()) {
+    return param;
+  }
+  return param.detach().view({-1}).narrow(0, piece.offset, piece.length);
+}
+
+void ShardedOptimizer::point_piece_gradients() {
+  for (size_t i = 0; i < mine_.size(); ++i) {
+    const auto& piece = pieces_[mine_[i]];
+    const auto& param = all_parameters()[piece.param];
+    if (shard_[i].is_same(param)) {
+      continue;
+    }
+    const auto& grad = param.grad();
+    shard_[i].mutable_grad() =
+        grad.defined() ? grad.reshape({-1}).narrow(0, piece.offset, piece.length) : at::Tensor();
+  }
 }
 
 void ShardedOptimizer::copy_options_to(torch::optim::Optimizer& target) const {
@@ -118,6 +250,7 @@ at::Tensor ShardedOptimizer::step(LossClosure closure) {
                    "(ddp.step_in_backward(optimizer)); calling step() as well would step "
                    "every shard twice with the same gradients. Remove the call to step().");
   copy_options_to(*local_);
+  point_piece_gradients();
   local_->step();
   broadcast_from_owners(all_parameters());
   return {};
@@ -130,15 +263,24 @@ void ShardedOptimizer::steps_in_backward() {
 }
 
 void ShardedOptimizer::step_parameters(const std::vector<at::Tensor>& params) {
-  std::vector<at::Tensor> mine;
+  std::vector<char> chosen(pieces_.size(), 0);
   for (const auto& param : params) {
-    auto owner = owner_of_.find(param.unsafeGetTensorImpl());
-    if (owner != owner_of_.end() && owner->second == world_.rank()) {
-      mine.push_back(param);
+    auto found = pieces_of_.find(param.unsafeGetTensorImpl());
+    if (found != pieces_of_.end()) {
+      for (size_t p : found->second) {
+        chosen[p] = 1;
+      }
+    }
+  }
+  std::vector<at::Tensor> mine;
+  for (size_t i = 0; i < mine_.size(); ++i) {
+    if (chosen[mine_[i]]) {
+      mine.push_back(shard_[i]);
     }
   }
   copy_options_to(*local_);
   if (!mine.empty()) {
+    point_piece_gradients();
     lockstep::step_parameters(*local_, mine);
   }
   broadcast_from_owners(params);
@@ -147,14 +289,21 @@ void ShardedOptimizer::step_parameters(const std::vector<at::Tensor>& params) {
 void ShardedOptimizer::broadcast_from_owners(const std::vector<at::Tensor>& params) {
   at::NoGradGuard no_grad;
   for (const auto& param : params) {
-    auto owner = owner_of_.find(param.unsafeGetTensorImpl());
-    if (owner == owner_of_.end()) {
+    auto found = pieces_of_.find(param.unsafeGetTensorImpl());
+    if (found == pieces_of_.end()) {
       continue; // not this optimizer's: the same on every rank
     }
-    auto values = param.detach();
-    world_.broadcast(values, owner->second,
-                     str("parameter ", param.sizes(), " from rank ", owner->second,
-                         ", its owner in the ZeroRedundancyOptimizer"));
+    for (size_t p : found->second) {
+      const auto& piece = pieces_[p];
+      auto values = piece_tensor(piece).detach();
+      world_.broadcast(values, piece.owner,
+                       str("parameter ", param.sizes(), found->second.size() > 1
+                               ? str(" (elements ", piece.offset, " to ",
+                                     piece.offset + piece.length, ")")
+                               : std::string(),
+                           " from rank ", piece.owner, ", its owner in the "
+                           "ZeroRedundancyOptimizer"));
+    }
   }
 }
 
@@ -177,21 +326,47 @@ std::vector<std::string> ShardedOptimizer::gather_shards(int to) {
 }
 
 std::unique_ptr<torch::optim::Optimizer> ShardedOptimizer::assemble(
-    const std::vector<std::string>& shards, int world_size) {
-  auto owners = partition_parameters(numels_of(all_parameters()), world_size);
-  auto full = make_(all_parameters());
-  copy_options_to(*full);
+    const std::vector<std::string>& shards, int world_size, ZeroPartition partition) {
+  const auto& all = all_parameters();
+  auto pieces = partition_parameters(numels_of(all), world_size, partition);
+  // Each piece's state, as the rank that owned it saved it.
+  std::vector<std::unique_ptr<torch::optim::OptimizerParamState>> states(pieces.size());
   for (int rank = 0; rank < world_size; ++rank) {
-    auto part = make_(owned_by(all_parameters(), owners, rank));
-    load_optimizer_bytes(*part, shards[rank]);
-    for (auto& [key, state] : part->state()) {
-      full->state()[key] = std::move(state);
-    }
-    if (!part->param_groups().empty() && rank == 0) {
-      for (auto& group : full->param_groups()) {
-        group.set_options(part->param_groups().front().options().clone());
+    std::vector<size_t> owned;
+    std::vector<at::Tensor> tensors;
+    for (size_t p = 0; p < pieces.size(); ++p) {
+      if (pieces[p].owner == rank) {
+        owned.push_back(p);
+        tensors.push_back(piece_tensor(pieces[p]));
       }
     }
+    auto part = make_(tensors);
+    load_optimizer_bytes(*part, shards[rank]);
+    for (size_t i = 0; i < owned.size(); ++i) {
+      states[owned[i]] = take_state(*part, tensors[i]);
+    }
+  }
+  auto full = make_(all);
+  copy_options_to(*full);
+  for (size_t first = 0; first < pieces.size();) {
+    size_t end = first;
+    std::vector<std::unique_ptr<torch::optim::OptimizerParamState>> parts;
+    std::vector<int64_t> lengths;
+    for (; end < pieces.size() && pieces[end].param == pieces[first].param; ++end) {
+      if (states[end]) {
+        parts.push_back(std::move(states[end]));
+        lengths.push_back(pieces[end].length);
+      }
+    }
+    const auto& param = all[pieces[first].param];
+    if (parts.size() == 1 && end - first == 1) {
+      put_state(*full, param, std::move(parts.front()));
+    } else if (!parts.empty()) {
+      LOCKSTEP_ENFORCE(parts.size() == end - first, CheckpointError, "the saved state of a "
+                       "parameter of shape ", param.sizes(), " lacks some of its pieces.");
+      put_state(*full, param, joined_state(parts, lengths, param));
+    }
+    first = end;
   }
   return full;
 }
@@ -202,7 +377,7 @@ void ShardedOptimizer::consolidate_state_dict(int to) {
   auto shards = gather_shards(to);
   consolidated_.reset();
   if (world_.rank() == to) {
-    consolidated_ = assemble(shards, world_.size());
+    consolidated_ = assemble(shards, world_.size(), options_.partition());
   }
 }
 
@@ -234,6 +409,7 @@ void ShardedOptimizer::save(torch::serialize::OutputArchive& archive) const {
                    "ZeroRedundancyOptimizer's shards needs them gathered on this rank: save "
                    "it through lockstep::save_checkpoint.");
   archive.write(kShardCount, c10::IValue(static_cast<int64_t>(gathered_.size())));
+  archive.write(kShardPartition, c10::IValue(static_cast<int64_t>(options_.partition())));
   for (size_t rank = 0; rank < gathered_.size(); ++rank) {
     const auto& bytes = gathered_[rank];
     auto tensor = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
@@ -253,7 +429,10 @@ void ShardedOptimizer::load(torch::serialize::InputArchive& archive) {
       shards.emplace_back(static_cast<const char*>(shard.data_ptr()),
                           static_cast<size_t>(shard.numel()));
     }
-    full = assemble(shards, static_cast<int>(count.toInt()));
+    c10::IValue partition;
+    archive.read(kShardPartition, partition);
+    full = assemble(shards, static_cast<int>(count.toInt()),
+                    static_cast<ZeroPartition>(partition.toInt()));
   } else {
     full = make_(all_parameters());
     full->load(archive);
@@ -263,11 +442,17 @@ void ShardedOptimizer::load(torch::serialize::InputArchive& archive) {
 
 void ShardedOptimizer::take_shard_from(torch::optim::Optimizer& full) {
   local_ = make_(shard_);
-  for (const auto& param : shard_) {
-    auto key = state_key(full.state(), param);
-    auto state = full.state().find(key);
-    if (state != full.state().end()) {
-      local_->state()[key] = std::move(state->second);
+  for (size_t i = 0; i < mine_.size(); ++i) {
+    const auto& piece = pieces_[mine_[i]];
+    const auto& param = all_parameters()[piece.param];
+    if (shard_[i].is_same(param)) {
+      put_state(*local_, param, take_state(full, param));
+      continue;
+    }
+    auto whole = full.state().find(state_key(full.state(), param));
+    if (whole != full.state().end()) {
+      put_state(*local_, shard_[i],
+                state_slice(*whole->second, param, piece.offset, piece.length));
     }
   }
   // The options saved (a scheduler's learning rate) are this optimizer's.
