@@ -9,6 +9,7 @@
 #include "support/expect_error.h"
 #include "support/models.h"
 #include "support/multiprocess.h"
+#include "support/optimizers.h"
 #include "support/training.h"
 
 namespace lockstep::testing {
@@ -208,6 +209,61 @@ INSTANTIATE_TEST_SUITE_P(WorldSize, DdpErrors, ::testing::Values(2, 3),
                          [](const auto& info) {
                            return "world" + std::to_string(info.param);
                          });
+
+// The optimizer inside the reduction, misused (docs/ddp.md).
+TEST(StepInBackwardErrors, EachMisuseIsNamed) {
+  run_ranks(2, [](int rank) {
+    World world = init();
+    {
+      DDP<Mlp> ddp(float64_mlp(3), world);
+      torch::optim::Adam adam(ddp.module()->parameters(), adam_options());
+      ddp.step_in_backward(adam);
+      expect_error<UsageError>([&] { ddp.step_in_backward(adam); },
+                               {"already steps inside backward", "twice"});
+      auto [x, y] = batch(0, 2);
+      adam.zero_grad();
+      torch::mse_loss(ddp(shard(x, rank, kPerRank)), shard(y, rank, kPerRank)).backward();
+      adam.step(); // the mistake: the parameters already stepped
+      expect_error<UsageError>([&] { ddp(shard(x, rank, kPerRank)); },
+                               {"changed in place after the step inside backward",
+                                "optimizer.step() was called", "Remove the call"});
+    }
+    {
+      DDP<Mlp> ddp(float64_mlp(3), world);
+      auto [x, y] = batch(0, 2);
+      ddp(shard(x, rank, kPerRank));
+      torch::optim::SGD sgd(ddp.module()->parameters(), sgd_options());
+      expect_error<UsageError>([&] { ddp.step_in_backward(sgd); },
+                               {"before the first forward"});
+    }
+    {
+      DDP<Mlp> ddp(float64_mlp(3), world);
+      auto stranger = torch::zeros({3}, torch::requires_grad());
+      torch::optim::SGD sgd({stranger}, sgd_options());
+      expect_error<UsageError>([&] { ddp.step_in_backward(sgd); },
+                               {"not a parameter of the wrapped module", "never step"});
+    }
+    {
+      DDP<Mlp> ddp(float64_mlp(3), world);
+      ZeroRedundancyOptimizer<torch::optim::Adam> zero(ddp.module()->parameters(), world,
+                                                       adam_options());
+      ddp.step_in_backward(zero);
+      auto [x, y] = batch(0, 2);
+      zero.zero_grad();
+      torch::mse_loss(ddp(shard(x, rank, kPerRank)), shard(y, rank, kPerRank)).backward();
+      expect_error<UsageError>([&] { zero.step(); },
+                               {"already steps inside backward", "twice"});
+      torch::serialize::OutputArchive archive;
+      expect_error<UsageError>([&] { zero.save(archive); },
+                               {"consolidate_state_dict(", "on every rank first"});
+      expect_error<UsageError>([&] { zero.consolidated(); }, {"consolidate_state_dict"});
+      zero.consolidate_state_dict(1);
+      if (rank == 1) {
+        EXPECT_EQ(zero.consolidated().param_groups().front().params().size(), ddp.module()->parameters().size());
+      }
+    }
+  });
+}
 
 } // namespace
 } // namespace lockstep::testing
