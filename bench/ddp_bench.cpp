@@ -18,7 +18,8 @@
 // in equal slices of the elements, "_zero_slices") and
 // BENCH_STEP_IN_BACKWARD=1 steps it inside backward ("_in_backward"): rank
 // 0 prints "state,MODEL,MODE,BYTES" to stderr, the optimizer state's bytes
-// on the rank that holds the most; BENCH_BUCKET_CAP_MB overrides lockstep's bucket cap, to explore its effect;
+// on the rank that holds the most; BENCH_BUCKET_CAP_MB overrides lockstep's
+// bucket cap, to explore its effect;
 // BENCH_HOOK registers a communication hook (the mode gets its name, and
 // rank 0 prints the bytes of the last iteration to stderr). BENCH_NET_DEVICE
 // names the network device that leaves this rank's host: rank 0 prints
@@ -203,10 +204,11 @@ void run(World& world, ModelType model, const std::string& model_name,
     reported += "_in_backward";
   }
   // The optimizer's state on this rank, as it saves (the largest over ranks).
-  auto state_bytes = torch::tensor(
-      {static_cast<double>(zero ? dynamic_cast<lockstep::detail::ShardedOptimizer&>(*optimizer).state_bytes()
-                                : saved_bytes(*optimizer))},
-      torch::kDouble);
+  auto& stateful = zero ? dynamic_cast<lockstep::detail::ShardedOptimizer&>(*optimizer)
+                              .local_optimizer()
+                        : *optimizer;
+  auto state_bytes =
+      torch::tensor({static_cast<double>(saved_bytes(stateful))}, torch::kDouble);
   world.all_reduce(state_bytes, ReduceOp::Max);
   if (world.rank() == 0) {
     std::fprintf(stderr, "state,%s,%s,%.0f\n", model_name.c_str(), reported.c_str(),

@@ -128,6 +128,9 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   void step_parameters(const std::vector<at::Tensor>& params);
   /// Collective, from save_checkpoint: gathers on rank 0 what save() writes.
   void prepare_save();
+  /// From save_checkpoint once the file is written: lets go of what
+  /// prepare_save gathered (on rank 0, the whole state).
+  void finish_save();
 
  private:
   /// Every rank's shard as bytes, on rank `to`.
@@ -155,6 +158,7 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   std::vector<ZeroPiece> pieces_;
   // Per parameter, by its TensorImpl: the indices of its pieces.
   std::unordered_map<const c10::TensorImpl*, std::vector<size_t>> pieces_of_;
+  std::vector<std::string> piece_what_; // each piece's broadcast, as errors name it
   std::vector<size_t> mine_;         // indices of this rank's pieces
   std::vector<at::Tensor> shard_;    // their tensors, as the local optimizer holds them
   std::unique_ptr<torch::optim::Optimizer> local_;

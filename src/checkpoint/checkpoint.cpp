@@ -83,9 +83,19 @@ void save_checkpoint(
   // masks, noise and augmentations differ by rank), and its hook states.
   auto states = world.all_gather(at::detail::getDefaultCPUGenerator().get_state());
   // A ZeroRedundancyOptimizer's state is spread over the ranks: gathered on
-  // rank 0, which writes it.
+  // rank 0, which writes it, and let go once written (or not), so that
+  // rank 0 does not go on holding the whole state.
+  struct ShardedStates {
+    std::vector<detail::ShardedOptimizer*> optimizers;
+    ~ShardedStates() {
+      for (auto* sharded : optimizers) {
+        sharded->finish_save();
+      }
+    }
+  } sharded_states;
   for (const auto& [name, optimizer] : items.optimizers()) {
     if (auto* sharded = dynamic_cast<detail::ShardedOptimizer*>(optimizer)) {
+      sharded_states.optimizers.push_back(sharded);
       sharded->prepare_save();
     }
   }

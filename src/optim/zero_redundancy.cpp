@@ -9,8 +9,6 @@
 
 #include <algorithm>
 #include <numeric>
-#include <sstream>
-#include <type_traits>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -21,6 +19,7 @@
 
 #include "common/wording.h"
 #include "optim/optimizer_bytes.h"
+#include "optim/parameter_state.h"
 #include "world/broadcast_bytes.h"
 
 namespace lockstep {
@@ -63,112 +62,6 @@ namespace {
 constexpr const char* kShardCount = "lockstep_zero_shards";
 constexpr const char* kShardPartition = "lockstep_zero_partition";
 
-// The key of `tensor` in an optimizer's state: its TensorImpl, as a string
-// in LibTorch 1.x and as a pointer in 2.x.
-template <typename Map>
-typename Map::key_type state_key(const Map&, const at::Tensor& tensor) {
-  using Key = typename Map::key_type;
-  if constexpr (std::is_same_v<Key, std::string>) {
-    std::ostringstream key;
-    key << tensor.unsafeGetTensorImpl();
-    return key.str();
-  } else {
-    return static_cast<Key>(tensor.unsafeGetTensorImpl());
-  }
-}
-
-std::unique_ptr<torch::optim::OptimizerParamState> take_state(torch::optim::Optimizer& optimizer,
-                                                              const at::Tensor& tensor) {
-  auto found = optimizer.state().find(state_key(optimizer.state(), tensor));
-  if (found == optimizer.state().end()) {
-    return nullptr;
-  }
-  auto state = std::move(found->second);
-  optimizer.state().erase(found);
-  return state;
-}
-
-void put_state(torch::optim::Optimizer& optimizer, const at::Tensor& tensor,
-               std::unique_ptr<torch::optim::OptimizerParamState> state) {
-  if (state) {
-    optimizer.state()[state_key(optimizer.state(), tensor)] = std::move(state);
-  }
-}
-
-// A parameter's state field by field (step counts, moment tensors), through
-// its own serialization: the same for every optimizer of torch::optim.
-using Fields = std::vector<std::pair<std::string, c10::IValue>>;
-
-Fields fields_of(const torch::optim::OptimizerParamState& state) {
-  torch::serialize::OutputArchive out;
-  state.serialize(out);
-  std::ostringstream bytes;
-  out.save_to(bytes);
-  std::istringstream source(bytes.str());
-  torch::serialize::InputArchive in;
-  in.load_from(source);
-  Fields fields;
-  for (const auto& key : in.keys()) {
-    c10::IValue value;
-    in.read(key, value);
-    fields.emplace_back(key, value);
-  }
-  return fields;
-}
-
-std::unique_ptr<torch::optim::OptimizerParamState> state_with(
-    const torch::optim::OptimizerParamState& like, const Fields& fields) {
-  torch::serialize::OutputArchive out;
-  for (const auto& [key, value] : fields) {
-    out.write(key, value);
-  }
-  std::ostringstream bytes;
-  out.save_to(bytes);
-  std::istringstream source(bytes.str());
-  torch::serialize::InputArchive in;
-  in.load_from(source);
-  auto state = like.clone();
-  state->serialize(in);
-  return state;
-}
-
-// A whole parameter's state from its pieces' (in offset order): the
-// element-wise tensors laid end to end, the rest (step counts) the first's.
-std::unique_ptr<torch::optim::OptimizerParamState> joined_state(
-    const std::vector<std::unique_ptr<torch::optim::OptimizerParamState>>& parts,
-    const std::vector<int64_t>& lengths, const at::Tensor& param) {
-  std::vector<Fields> each;
-  for (const auto& part : parts) {
-    each.push_back(fields_of(*part));
-  }
-  Fields joined = each.front();
-  for (size_t f = 0; f < joined.size(); ++f) {
-    auto& [key, value] = joined[f];
-    if (!value.isTensor() || value.toTensor().numel() != lengths.front()) {
-      continue;
-    }
-    std::vector<at::Tensor> slices;
-    for (const auto& fields : each) {
-      slices.push_back(fields[f].second.toTensor().reshape({-1}));
-    }
-    value = at::cat(slices).reshape(param.sizes());
-  }
-  return state_with(*parts.front(), joined);
-}
-
-// Elements [offset, offset + length) of a whole parameter's state.
-std::unique_ptr<torch::optim::OptimizerParamState> state_slice(
-    const torch::optim::OptimizerParamState& whole, const at::Tensor& param, int64_t offset,
-    int64_t length) {
-  Fields fields = fields_of(whole);
-  for (auto& [key, value] : fields) {
-    if (value.isTensor() && value.toTensor().numel() == param.numel()) {
-      value = value.toTensor().reshape({-1}).narrow(0, offset, length).clone();
-    }
-  }
-  return state_with(whole, fields);
-}
-
 std::vector<int64_t> numels_of(const std::vector<at::Tensor>& params) {
   std::vector<int64_t> numels;
   for (const auto& param : params) {
@@ -197,6 +90,12 @@ ShardedOptimizer::ShardedOptimizer(std::vector<at::Tensor> params, World world,
                      all[piece.param].sizes(), " that is not contiguous; make it contiguous "
                      "or partition by parameters.");
     pieces_of_[all[piece.param].unsafeGetTensorImpl()].push_back(p);
+    piece_what_.push_back(str(
+        "parameter ", all[piece.param].sizes(),
+        piece.length < all[piece.param].numel()
+            ? str(" (elements ", piece.offset, " to ", piece.offset + piece.length, ")")
+            : std::string(),
+        " from rank ", piece.owner, ", its owner in the ZeroRedundancyOptimizer"));
     if (piece.owner == world_.rank()) {
       mine_.push_back(p);
       shard_.push_back(piece_tensor(piece));
@@ -294,15 +193,8 @@ void ShardedOptimizer::broadcast_from_owners(const std::vector<at::Tensor>& para
       continue; // not this optimizer's: the same on every rank
     }
     for (size_t p : found->second) {
-      const auto& piece = pieces_[p];
-      auto values = piece_tensor(piece).detach();
-      world_.broadcast(values, piece.owner,
-                       str("parameter ", param.sizes(), found->second.size() > 1
-                               ? str(" (elements ", piece.offset, " to ",
-                                     piece.offset + piece.length, ")")
-                               : std::string(),
-                           " from rank ", piece.owner, ", its owner in the "
-                           "ZeroRedundancyOptimizer"));
+      auto values = piece_tensor(pieces_[p]).detach();
+      world_.broadcast(values, pieces_[p].owner, piece_what_[p]);
     }
   }
 }
@@ -318,8 +210,7 @@ std::vector<std::string> ShardedOptimizer::gather_shards(int to) {
   std::vector<std::string> shards;
   if (world_.rank() == to) {
     for (const auto& bytes : all) {
-      shards.emplace_back(static_cast<const char*>(bytes.data_ptr()),
-                          static_cast<size_t>(bytes.numel()));
+      shards.push_back(bytes_of_tensor(bytes));
     }
   }
   return shards;
@@ -330,7 +221,7 @@ std::unique_ptr<torch::optim::Optimizer> ShardedOptimizer::assemble(
   const auto& all = all_parameters();
   auto pieces = partition_parameters(numels_of(all), world_size, partition);
   // Each piece's state, as the rank that owned it saved it.
-  std::vector<std::unique_ptr<torch::optim::OptimizerParamState>> states(pieces.size());
+  std::vector<ParamState> states(pieces.size());
   for (int rank = 0; rank < world_size; ++rank) {
     std::vector<size_t> owned;
     std::vector<at::Tensor> tensors;
@@ -350,12 +241,10 @@ std::unique_ptr<torch::optim::Optimizer> ShardedOptimizer::assemble(
   copy_options_to(*full);
   for (size_t first = 0; first < pieces.size();) {
     size_t end = first;
-    std::vector<std::unique_ptr<torch::optim::OptimizerParamState>> parts;
-    std::vector<int64_t> lengths;
+    std::vector<ParamState> parts;
     for (; end < pieces.size() && pieces[end].param == pieces[first].param; ++end) {
       if (states[end]) {
         parts.push_back(std::move(states[end]));
-        lengths.push_back(pieces[end].length);
       }
     }
     const auto& param = all[pieces[first].param];
@@ -364,7 +253,7 @@ std::unique_ptr<torch::optim::Optimizer> ShardedOptimizer::assemble(
     } else if (!parts.empty()) {
       LOCKSTEP_ENFORCE(parts.size() == end - first, CheckpointError, "the saved state of a "
                        "parameter of shape ", param.sizes(), " lacks some of its pieces.");
-      put_state(*full, param, joined_state(parts, lengths, param));
+      put_state(*full, param, joined_state(parts, pieces[first].length, param));
     }
     first = end;
   }
@@ -396,6 +285,11 @@ void ShardedOptimizer::prepare_save() {
   }
 }
 
+void ShardedOptimizer::finish_save() {
+  gathered_.clear();
+  consolidated_.reset();
+}
+
 void ShardedOptimizer::save(torch::serialize::OutputArchive& archive) const {
   if (!options_.checkpoint_shards()) {
     LOCKSTEP_ENFORCE(consolidated_ != nullptr, UsageError, "rank ", world_.rank(), ": saving "
@@ -411,10 +305,7 @@ void ShardedOptimizer::save(torch::serialize::OutputArchive& archive) const {
   archive.write(kShardCount, c10::IValue(static_cast<int64_t>(gathered_.size())));
   archive.write(kShardPartition, c10::IValue(static_cast<int64_t>(options_.partition())));
   for (size_t rank = 0; rank < gathered_.size(); ++rank) {
-    const auto& bytes = gathered_[rank];
-    auto tensor = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
-    std::copy(bytes.begin(), bytes.end(), static_cast<char*>(tensor.data_ptr()));
-    archive.write(str("shard/", rank), tensor);
+    archive.write(str("shard/", rank), tensor_of_bytes(gathered_[rank]));
   }
 }
 
@@ -426,8 +317,7 @@ void ShardedOptimizer::load(torch::serialize::InputArchive& archive) {
     for (int64_t rank = 0; rank < count.toInt(); ++rank) {
       at::Tensor shard;
       archive.read(str("shard/", rank), shard);
-      shards.emplace_back(static_cast<const char*>(shard.data_ptr()),
-                          static_cast<size_t>(shard.numel()));
+      shards.push_back(bytes_of_tensor(shard));
     }
     c10::IValue partition;
     archive.read(kShardPartition, partition);
@@ -449,10 +339,8 @@ void ShardedOptimizer::take_shard_from(torch::optim::Optimizer& full) {
       put_state(*local_, param, take_state(full, param));
       continue;
     }
-    auto whole = full.state().find(state_key(full.state(), param));
-    if (whole != full.state().end()) {
-      put_state(*local_, shard_[i],
-                state_slice(*whole->second, param, piece.offset, piece.length));
+    if (const auto* whole = find_state(full, param)) {
+      put_state(*local_, shard_[i], state_slice(*whole, param, piece.offset, piece.length));
     }
   }
   // The options saved (a scheduler's learning rate) are this optimizer's.

@@ -5,7 +5,7 @@
 // ZeroRedundancyOptimizer's shard step, which also brings the new
 // parameters to every rank. The reducer does not know which.
 
-#include <algorithm>
+#include <unordered_set>
 
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/optimizer.h>
@@ -21,10 +21,8 @@ void Reducer::step_in_backward(ParameterStep step, const StepInBackwardOptions& 
   std::lock_guard<std::mutex> lock(state.mutex);
   LOCKSTEP_ENFORCE(step != nullptr, UsageError, "step_in_backward needs an optimizer or a "
                    "ParameterStep that steps the parameters it is given.");
-  LOCKSTEP_ENFORCE(
-      state.forwards == 0 && state.iteration == 0, UsageError, "step_in_backward must come "
-      "before the first forward, on every rank (this one comes after ", state.forwards,
-      " forward(s)): every rank must step its parameters in the same iterations.");
+  state.require_before_first_forward(
+      "step_in_backward", "every rank must step its parameters in the same iterations");
   LOCKSTEP_ENFORCE(!state.in_backward_step, UsageError, "an optimizer already steps inside "
                    "backward for this DistributedDataParallel; registering a second would "
                    "step every parameter twice. Register one, once.");
@@ -36,14 +34,14 @@ void Reducer::step_in_backward(ParameterStep step, const StepInBackwardOptions& 
 
 void Reducer::step_in_backward(torch::optim::Optimizer& optimizer,
                                const StepInBackwardOptions& options) {
-  std::vector<const c10::TensorImpl*> mine;
+  std::unordered_set<const c10::TensorImpl*> mine;
   for (const auto& entry : state_->all_params) {
-    mine.push_back(entry.tensor.unsafeGetTensorImpl());
+    mine.insert(entry.tensor.unsafeGetTensorImpl());
   }
   for (const auto& group : optimizer.param_groups()) {
     for (const auto& param : group.params()) {
       LOCKSTEP_ENFORCE(
-          std::find(mine.begin(), mine.end(), param.unsafeGetTensorImpl()) != mine.end(),
+          mine.count(param.unsafeGetTensorImpl()) > 0,
           UsageError, "the optimizer given to step_in_backward holds a ", param.sizes(),
           " tensor that is not a parameter of the wrapped module: stepping inside backward "
           "steps the module's parameters as their buckets are averaged, and this one would "

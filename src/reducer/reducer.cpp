@@ -244,16 +244,20 @@ void Reducer::before_forward() {
   }
 }
 
+void Reducer::State::require_before_first_forward(const char* call, const char* why) const {
+  LOCKSTEP_ENFORCE(forwards == 0 && iteration == 0, UsageError, call, " must come before the "
+                   "first forward, on every rank (this one comes after ", forwards,
+                   " forward(s) and ", iteration, " synchronised backward(s)): ", why, ".");
+}
+
 void Reducer::register_comm_hook(CommHook hook) {
   auto& state = *state_;
   std::lock_guard<std::mutex> lock(state.mutex);
   LOCKSTEP_ENFORCE(hook != nullptr, UsageError, "register_comm_hook needs a hook; "
                    "lockstep::hooks::allreduce() is what the wrapper does without one.");
-  LOCKSTEP_ENFORCE(
-      state.forwards == 0 && state.iteration == 0, UsageError, "register_comm_hook must "
-      "come before the first forward, on every rank (this one comes after ", state.forwards,
-      " forward(s) and ", state.iteration, " synchronised backward(s)): the ranks must agree "
-      "on how every bucket travels from the first iteration on.");
+  state.require_before_first_forward(
+      "register_comm_hook", "the ranks must agree on how every bucket travels from the first "
+      "iteration on");
   LOCKSTEP_ENFORCE(!state.comm_hook, UsageError, "a communication hook is already registered; "
                    "one per DistributedDataParallel, as in PyTorch. Compose hooks in one "
                    "instead.");

@@ -167,6 +167,10 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   int64_t iteration = 0; // synchronised backward passes begun
   DdpStats stats;
 
+  /// Raises UsageError unless no forward and no synchronised backward ran
+  /// yet: what every rank must set up alike from the first iteration on.
+  /// "`call` must come before the first forward, ...: `why`."
+  void require_before_first_forward(const char* call, const char* why) const;
   /// Hooks the accumulators of params[first...].
   void install_hooks(size_t first);
   void layout_buckets(const std::vector<size_t>& order);

@@ -10,14 +10,23 @@ namespace lockstep::detail {
 void broadcast_bytes(World& world, int root, std::string& bytes, const std::string& what) {
   auto size = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
   world.broadcast(size, root, what.empty() ? what : "size of " + what);
-  auto data = at::empty({size.item<int64_t>()}, at::kByte);
-  if (world.rank() == root) {
-    std::memcpy(data.data_ptr(), bytes.data(), bytes.size());
-  }
+  auto data = world.rank() == root ? tensor_of_bytes(bytes)
+                                   : at::empty({size.item<int64_t>()}, at::kByte);
   world.broadcast(data, root, what);
   if (world.rank() != root) {
-    bytes.assign(static_cast<const char*>(data.data_ptr()), static_cast<size_t>(data.numel()));
+    bytes = bytes_of_tensor(data);
   }
+}
+
+at::Tensor tensor_of_bytes(const std::string& bytes) {
+  auto tensor = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+  std::memcpy(tensor.data_ptr(), bytes.data(), bytes.size());
+  return tensor;
+}
+
+std::string bytes_of_tensor(const at::Tensor& tensor) {
+  auto contiguous = tensor.contiguous();
+  return {static_cast<const char*>(contiguous.data_ptr()), static_cast<size_t>(contiguous.numel())};
 }
 
 std::vector<at::Tensor> gather_bytes(World& world, const std::string& bytes) {

@@ -16,6 +16,10 @@ namespace lockstep::detail {
 /// get World's default names.
 void broadcast_bytes(World& world, int root, std::string& bytes, const std::string& what);
 
+/// `bytes` as a 1-D uint8 tensor, and such a tensor's bytes.
+at::Tensor tensor_of_bytes(const std::string& bytes);
+std::string bytes_of_tensor(const at::Tensor& tensor);
+
 /// Collective: each rank's `bytes`, on every rank (an all-gather of the
 /// sizes, then of the bytes padded to the largest).
 std::vector<at::Tensor> gather_bytes(World& world, const std::string& bytes);
