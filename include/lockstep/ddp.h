@@ -203,6 +203,12 @@ class DistributedDataParallel {
     reducer_->sync_buffers();
   }
 
+  /// The reducer, for the parts of lockstep that extend the wrapper
+  /// (lockstep::FaultTolerance).
+  const std::shared_ptr<detail::Reducer>& reducer() const {
+    return reducer_;
+  }
+
  private:
   ModuleType module_;
   std::shared_ptr<detail::Reducer> reducer_;

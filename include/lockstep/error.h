@@ -58,6 +58,14 @@ class CollectiveError : public Error {
   using Error::Error;
 };
 
+/// A fault-tolerant job cannot go on (fault_tolerance.h): fewer ranks than
+/// its min_world_size came back within the timeout, or this process is a
+/// stale incarnation of a rank that a newer one replaced.
+class FaultToleranceError : public Error {
+ public:
+  using Error::Error;
+};
+
 namespace detail {
 
 template <typename... Args>

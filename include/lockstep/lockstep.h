@@ -9,9 +9,11 @@
 #include <lockstep/ddp_stats.h>
 #include <lockstep/debug_level.h>
 #include <lockstep/error.h>
+#include <lockstep/fault_tolerance.h>
 #include <lockstep/join.h>
 #include <lockstep/power_sgd.h>
 #include <lockstep/step_in_backward.h>
+#include <lockstep/step_sampler.h>
 #include <lockstep/sync_batch_norm.h>
 #include <lockstep/timeline.h>
 #include <lockstep/world.h>

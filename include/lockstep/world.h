@@ -22,6 +22,9 @@ class ProcessGroup;
 } // namespace c10d
 
 namespace lockstep {
+namespace detail {
+struct WorldAccess;
+} // namespace detail
 
 enum class ReduceOp { Sum, Average, Min, Max, Product };
 
@@ -103,6 +106,7 @@ class World {
   explicit World(std::shared_ptr<Impl> impl);
 
  private:
+  friend struct detail::WorldAccess;
   std::shared_ptr<Impl> impl_;
 };
 

@@ -56,7 +56,7 @@ void Reducer::State::on_gradient(size_t index) {
   }
   backward.ready_order.push_back(index);
   if (!sparse[index]) {
-    mark_ready(index, /*used=*/true);
+    tolerate([&] { mark_ready(index, /*used=*/true); });
   }
 }
 
@@ -125,9 +125,11 @@ void Reducer::State::open_iteration(int64_t forward, bool sync) {
   times.bucket_ready.assign(layout.buckets.size(), Clock::time_point{});
   times.bucket_launch.assign(layout.buckets.size(), Clock::time_point{});
   if (unused_at_forward && unused_forward == forward && !bypassed) {
-    for (size_t index : dense_only(*unused_at_forward)) {
-      mark_ready(index, /*used=*/false);
-    }
+    tolerate([&] {
+      for (size_t index : dense_only(*unused_at_forward)) {
+        mark_ready(index, /*used=*/false);
+      }
+    });
   }
 }
 
@@ -207,6 +209,10 @@ void Reducer::State::finalize() {
     }
     return;
   }
+  tolerate([&] { finish_backward(); });
+}
+
+void Reducer::State::finish_backward() {
   auto backward_end = Clock::now();
 
   for (size_t index = 0; index < params.size(); ++index) {

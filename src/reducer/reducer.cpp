@@ -235,12 +235,12 @@ void Reducer::before_forward() {
     state.agree_on_join(/*training_here=*/true,
                         at::GradMode::is_enabled() && state.sync_at_forward);
   }
-  state.sync_buffers_as_configured();
+  state.tolerate([&] { state.sync_buffers_as_configured(); });
   ++state.forwards;
   // Once a rank ran out of batches, its replica lags until the join ends.
   if (state.options.verify_every() > 0 && state.active_ranks == state.world.size() &&
       state.forwards % state.options.verify_every() == 0) {
-    state.check_replicas(ReplicaCheck::All);
+    state.tolerate([&] { state.check_replicas(ReplicaCheck::All); });
   }
 }
 

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include <lockstep/comm_hook.h>
+#include <lockstep/error.h>
 #include <lockstep/detail/reducer.h>
 #include <lockstep/step_in_backward.h>
 
@@ -164,6 +165,30 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   std::vector<char> used_since_sync;
   std::optional<std::vector<char>> static_used;
   bool warned_bypass = false;
+  // Fault tolerance (fault_tolerance.h): a collective that fails inside an
+  // iteration ends it quietly, and the loop's commit() learns why here.
+  bool tolerating = false;
+  std::string failure;
+  /// Runs `body`; while tolerating, a collective's failure in it is noted
+  /// instead of raised, and once one failed, the iteration's later
+  /// collectives are skipped (the world they would run in is given up).
+  template <typename Body>
+  void tolerate(Body&& body) {
+    if (!tolerating) {
+      body();
+      return;
+    }
+    if (!failure.empty()) {
+      return;
+    }
+    try {
+      body();
+    } catch (const CollectiveError& e) {
+      failure = e.what();
+    } catch (const TimeoutError& e) {
+      failure = e.what();
+    }
+  }
   int64_t iteration = 0; // synchronised backward passes begun
   DdpStats stats;
 
@@ -202,6 +227,9 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   /// then the extras, summed over ranks.
   std::vector<double> wait_for_buckets();
   void finalize();
+  /// finalize() of a synchronised backward: launch what is left, wait,
+  /// write back.
+  void finish_backward();
   void raise_problems_everywhere(int64_t ranks_with_problems);
   void write_back(const std::vector<double>& global_flags);
   /// Bucket `b`'s average into the gradients; `flags` are its used flags

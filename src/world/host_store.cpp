@@ -72,14 +72,15 @@ std::string read_file(const fs::path& path) {
 }
 
 // Whether `folder` is a job's folder that a rank may still join: complete,
-// its rank 0 alive, and no rank closed yet.
-bool open_for_joining(const fs::path& folder) {
+// its rank 0 alive (unless `standby`: a rank restarted alone joins the
+// survivors, rank 0 among them or not), and no rank closed yet.
+bool open_for_joining(const fs::path& folder, bool standby) {
   std::error_code ignored;
   if (fs::exists(folder / kClosedFile, ignored)) {
     return false;
   }
   std::string owner = read_file(folder / kOwnerFile);
-  return !owner.empty() && !process_gone(ProcessIdentity::from_record(owner));
+  return !owner.empty() && (standby || !process_gone(ProcessIdentity::from_record(owner)));
 }
 
 // MASTER_PORT on loopback, listened on so that no other socket can bind it
@@ -120,10 +121,10 @@ void remove_abandoned(const fs::path& base) {
 
 class HostJobStore : public JobStore {
  public:
-  explicit HostJobStore(const WorldConfig& config) : size_(config.size) {
+  explicit HostJobStore(const WorldConfig& config) : config_(config), size_(config.size) {
     auto base = private_base(config);
     folder_ = base / ("port-" + std::to_string(config.master_port));
-    if (config.rank == 0) {
+    if (config.rank == 0 && !config.standby) {
       port_fd_ = hold_port(config);
       create(base, config);
     } else {
@@ -143,6 +144,12 @@ class HostJobStore : public JobStore {
 
   std::unique_ptr<LedgerBoard> ledger_board(int rank, int size) override {
     return open_mapped_board((folder_ / kLedgerFile).string(), rank, size);
+  }
+
+  c10::intrusive_ptr<c10d::Store> another_connection() override {
+    auto file_store = c10::make_intrusive<c10d::FileStore>((folder_ / kStoreFile).string(), -1);
+    file_store->setTimeout(config_.timeout);
+    return c10::make_intrusive<c10d::PrefixStore>(config_.key_prefix, file_store);
   }
 
   void close() override {
@@ -181,7 +188,7 @@ class HostJobStore : public JobStore {
   void await(const WorldConfig& config) {
     auto deadline = Clock::now() + config.timeout;
     auto pause = std::chrono::milliseconds(2);
-    while (!open_for_joining(folder_)) {
+    while (!open_for_joining(folder_, config.standby)) {
       LOCKSTEP_ENFORCE(
           Clock::now() < deadline, RendezvousError, "rank ", config.rank,
           " found no job on this host at MASTER_PORT=", config.master_port, " within ",
@@ -201,6 +208,7 @@ class HostJobStore : public JobStore {
         "each its own port. The other job goes on.");
   }
 
+  WorldConfig config_;
   int size_;
   fs::path folder_;
   int port_fd_ = -1;

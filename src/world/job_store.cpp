@@ -228,7 +228,8 @@ c10d::TCPStoreOptions tcp_store_options(const WorldConfig& config, bool server) 
 class TcpJobStore : public JobStore {
  public:
   explicit TcpJobStore(const WorldConfig& config)
-      : config_(config), host_here_(config.rank == 0 && !config.agent_store) {
+      : config_(config),
+        host_here_(config.rank == 0 && !config.agent_store && !config.standby) {
     expect_resolvable(config);
     auto base = connect_and_probe(config, tcp_store_options(config, host_here_), host_here_);
     try {
@@ -244,13 +245,23 @@ class TcpJobStore : public JobStore {
   }
 
   std::unique_ptr<LedgerBoard> ledger_board(int rank, int size) override {
-    // The heartbeat has a connection of its own: a c10d store client is
-    // not for two threads at once.
-    auto heartbeat_store = c10::make_intrusive<c10d::TCPStore>(
-        config_.master_addr, tcp_store_options(config_, /*server=*/false));
-    return make_store_board(
-        c10::make_intrusive<c10d::PrefixStore>("ledger", store_), rank, size,
-        c10::make_intrusive<c10d::PrefixStore>("ledger", scoped(config_, heartbeat_store)));
+    return ledger_board_under("", rank, size);
+  }
+
+  std::unique_ptr<LedgerBoard> ledger_board_under(const std::string& scope,
+                                                  int rank,
+                                                  int size) override {
+    // The heartbeat has a connection of its own.
+    auto under = [&](c10::intrusive_ptr<c10d::Store> store) -> c10::intrusive_ptr<c10d::Store> {
+      auto ledger = c10::make_intrusive<c10d::PrefixStore>("ledger", std::move(store));
+      return scope.empty() ? ledger : c10::make_intrusive<c10d::PrefixStore>(scope, ledger);
+    };
+    return make_store_board(under(store_), rank, size, under(another_connection()));
+  }
+
+  c10::intrusive_ptr<c10d::Store> another_connection() override {
+    return scoped(config_, c10::make_intrusive<c10d::TCPStore>(
+                               config_.master_addr, tcp_store_options(config_, /*server=*/false)));
   }
 
   bool hosted_here() const override {
@@ -274,6 +285,13 @@ class LocalJobStore : public JobStore {
 };
 
 } // namespace
+
+std::unique_ptr<LedgerBoard> JobStore::ledger_board_under(const std::string& scope,
+                                                          int rank,
+                                                          int size) {
+  return make_store_board(
+      c10::make_intrusive<c10d::PrefixStore>(scope + "/ledger", store_), rank, size);
+}
 
 void fail_port_in_use(const WorldConfig& config, const std::string& cause) {
   LOCKSTEP_FAIL(

@@ -29,6 +29,17 @@ class JobStore {
   }
   /// Where the ledger of this kind of store keeps its records.
   virtual std::unique_ptr<LedgerBoard> ledger_board(int rank, int size) = 0;
+  /// The ledger of a world that fault tolerance forms later, under the
+  /// store's keys `scope`: always in the store, since the ranks of such a
+  /// world are known only once it forms.
+  virtual std::unique_ptr<LedgerBoard> ledger_board_under(const std::string& scope,
+                                                          int rank,
+                                                          int size);
+  /// A connection of its own to the same store, scoped alike: a c10d store
+  /// client is not for two threads at once.
+  virtual c10::intrusive_ptr<c10d::Store> another_connection() {
+    return store_;
+  }
   /// Whether the store lives in this process and ends with it: the others
   /// lose it then.
   virtual bool hosted_here() const {

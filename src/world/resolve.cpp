@@ -292,6 +292,10 @@ WorldConfig resolve_world(const WorldOptions& options, const EnvLookup& env) {
   config.job_id = resolve_job_id(options, env);
   config.key_prefix = resolve_job_prefix(config.job_id, env);
   config.secret = options.secret().value_or(env("LOCKSTEP_JOB_SECRET").value_or(""));
+  if (auto incarnation = lookup(env, "LOCKSTEP_INCARNATION")) {
+    config.incarnation = parse_int(*incarnation, 0, "a restart count, 0 or more");
+  }
+  config.standby = config.incarnation > 0 && config.size > 1;
   if (config.size == 1) {
     config.single_host = true;
     return config;

@@ -36,6 +36,13 @@ struct WorldConfig {
   /// The job secret; empty for none.
   std::string secret;
   std::string source;
+  /// How many times a launcher restarted this rank alone (lockstep-run
+  /// --restart rank sets LOCKSTEP_INCARNATION); 0 for its first process.
+  int incarnation = 0;
+  /// A rank restarted alone while the others go on: init() forms no group
+  /// with them (they are mid-training) but gives this process a world of
+  /// its own, from which lockstep::FaultTolerance joins the others.
+  bool standby = false;
   DebugLevel debug = DebugLevel::Off;
   TransportKind transport = TransportKind::Auto;
 };

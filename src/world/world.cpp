@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <exception>
+#include <tuple>
 #include <iostream>
 #include <mutex>
 #include <sstream>
@@ -16,137 +17,26 @@
 #include "timeline/recorder.h"
 #include "transport/local_transport.h"
 #include "transport/process_group_transport.h"
-#include "world/job_store.h"
-#include "world/ledger.h"
 #include "world/rendezvous.h"
-#include "world/resolve.h"
 #include "world/transport_choice.h"
+#include "world/world_impl.h"
 
 namespace lockstep {
 
-struct World::Impl : std::enable_shared_from_this<World::Impl> {
-  detail::WorldConfig config;
-  std::unique_ptr<detail::JobStore> job_store;
-  c10::intrusive_ptr<c10d::Store> store;
-  // The world's Gloo: the fallback transport and the one across hosts.
-  c10::intrusive_ptr<detail::CollectiveBackend> cpu_backend;
-  // What World::process_group() hands out: cpu_backend itself (1.13) or a
-  // c10d::ProcessGroup dispatching to it (2.x), made at the first ask.
-  c10::intrusive_ptr<c10d::ProcessGroup> cpu_group;
-  // What carries the collectives of CPU tensors: cpu_backend, or shared
-  // memory between the ranks of a host (world/transport_choice.h), or nothing
-  // at all in a world of one.
-  std::shared_ptr<detail::Transport> cpu_transport;
-  std::string transport_description;
-  std::mutex group_mutex;
-  c10::intrusive_ptr<detail::CollectiveBackend> cuda_backend;
-  c10::intrusive_ptr<c10d::ProcessGroup> cuda_group;
-  c10::intrusive_ptr<c10d::Store> gloo_store;
-  c10::intrusive_ptr<c10d::Store> nccl_store;
-  std::shared_ptr<detail::Transport> cuda_transport;
-  // Numbers the collectives issued through World: the same sequence on
-  // every rank, since every rank must issue the same collectives.
-  std::atomic<uint64_t> collective_count{0};
-  // The last collective that completed here (they complete in order): what
-  // a closing rank tells the others it took part in. One that it began but
-  // gave up on (a timeout) does not count, since its peers wait in vain.
-  std::atomic<uint64_t> completed_count{0};
-  std::unique_ptr<detail::Ledger> ledger;
-  uint64_t string_gather_count = 0;
-  // Set by the first collective that fails here: its transport may still
-  // hold it, and the ranks are out of step, so nothing after it can run.
-  std::mutex broken_mutex;
-  std::string broken;
-  // Held from numbering a collective to handing it to its transport, so
-  // that collectives issued by two threads reach the transport (and Gloo's
-  // tags) in the order of their numbers.
-  std::mutex issue_mutex;
-
-  ~Impl() {
-    close();
-    // A program may end without running static destructors (_exit, a
-    // fatal signal later): what the timeline holds should reach the file.
-    detail::timeline::flush();
+World::Impl::~Impl() {
+  close();
+  if (abandoned) {
+    // A peer that stopped (SIGSTOP) leaves Gloo's threads blocked in it
+    // until Gloo's own timeout, and destroying the group would join them:
+    // the abandoned world's connections are let go of, never destroyed.
+    (void)new auto(std::make_tuple(std::move(cpu_transport), std::move(cpu_backend),
+                                   std::move(cpu_group), std::move(cuda_transport),
+                                   std::move(cuda_backend), std::move(cuda_group)));
   }
-
-  // Tells the others that this rank will reach no further collective, so
-  // that one still waiting in one fails at once, naming this rank. The
-  // store's host then stays (10 s at most) until the others have closed or
-  // gone too: they would otherwise lose the store, and with it the reason.
-  void close() {
-    if (ledger) {
-      // Closed while an exception unwinds the stack, or after a collective
-      // failed: the others should say "an error", not "fewer batches".
-      bool failed = std::uncaught_exceptions() > 0;
-      {
-        std::lock_guard<std::mutex> lock(broken_mutex);
-        failed = failed || !broken.empty();
-      }
-      ledger->close(completed_count, failed);
-      if (job_store->hosted_here()) {
-        auto limit = std::chrono::steady_clock::now() +
-            std::min<std::chrono::milliseconds>(config.timeout, std::chrono::seconds(10));
-        while (!ledger->others_finished() && std::chrono::steady_clock::now() < limit) {
-          std::this_thread::sleep_for(std::chrono::milliseconds(20));
-        }
-      }
-    }
-    if (job_store) {
-      job_store->close();
-    }
-  }
-
-  void break_at(uint64_t seq, const std::string& what) {
-    std::lock_guard<std::mutex> lock(broken_mutex);
-    if (broken.empty()) {
-      broken = detail::str("collective #", seq, " (", what, ") failed");
-    }
-  }
-
-  void completed(uint64_t seq) {
-    uint64_t before = completed_count.load();
-    while (before < seq && !completed_count.compare_exchange_weak(before, seq)) {
-    }
-  }
-
-  /// Numbers the next collective and records, in the ledger, that this rank
-  /// reached it.
-  uint64_t begin(const std::string& what) {
-    {
-      std::lock_guard<std::mutex> lock(broken_mutex);
-      LOCKSTEP_ENFORCE(
-          broken.empty(), CollectiveError, "rank ", config.rank, ": ", what,
-          " cannot start: ", broken, " on this rank, so this world is unusable (the "
-          "transport may still hold that collective, and the ranks are out of step). End "
-          "this world, and the job or its attempt (lockstep-run --max-restarts resumes it "
-          "from a checkpoint); that first error says why.");
-    }
-    uint64_t seq = ++collective_count;
-    if (ledger) {
-      ledger->arrive(seq, what);
-    }
-    return seq;
-  }
-
-  detail::Transport& transport_for(const at::Tensor& tensor);
-  // Gloo's backend: at init() where the world has peers, else (a process
-  // alone opens no socket) at the first ask for its process group.
-  void start_gloo_backend();
-  // Under group_mutex: NCCL's backend and transport, made at the first
-  // CUDA tensor (or ask for its process group).
-  void start_cuda_backend(const at::Device& device);
-
-  detail::GroupOptions group_options() const {
-    detail::GroupOptions options;
-    options.rank = config.rank;
-    options.size = config.size;
-    options.timeout = config.timeout;
-    options.local_address = config.single_host
-        ? "127.0.0.1"
-        : detail::local_address_towards(config.master_addr);
-    return options;
-  }
-};
+  // A program may end without running static destructors (_exit, a
+  // fatal signal later): what the timeline holds should reach the file.
+  detail::timeline::flush();
+}
 
 namespace {
 
@@ -204,6 +94,8 @@ void complete_or_explain(
     // In slices, so that a peer that closed its world or died is named
     // within a slice instead of at the timeout.
     while (!work.wait_for(kWaitSlice)) {
+      LOCKSTEP_ENFORCE(!impl.abandoned, CollectiveError, "rank ", config.rank, ": ", what,
+                       " was abandoned: ", impl.broken_because(), ".");
       if (impl.ledger) {
         impl.ledger->check_peers(seq, operation);
       }
@@ -498,7 +390,11 @@ std::vector<std::string> World::all_gather_strings(const std::string& value) {
   std::vector<std::string> values;
   auto deadline = std::chrono::steady_clock::now() + timeout();
   for (int rank = 0; rank < size(); ++rank) {
-    auto arrived = [&] { return store.check({key(round, rank)}); };
+    auto arrived = [&] {
+      LOCKSTEP_ENFORCE(!impl_->abandoned, CollectiveError, "rank ", this->rank(), ": ",
+                       operation, " was abandoned: ", impl_->broken_because(), ".");
+      return store.check({key(round, rank)});
+    };
     bool came = impl_->ledger
         ? impl_->ledger->wait_until(arrived, deadline, seq, operation)
         : arrived();
@@ -513,29 +409,42 @@ std::vector<std::string> World::all_gather_strings(const std::string& value) {
   return values;
 }
 
+void World::Impl::connect(const std::function<std::unique_ptr<detail::LedgerBoard>()>& board) {
+  std::vector<detail::ProcessIdentity> peers{detail::this_process()};
+  if (config.size > 1) {
+    peers = detail::join(store, config, job_store->nonce());
+    ledger = std::make_unique<detail::Ledger>(board(), config.rank, peers, config.timeout,
+                                              /*compare=*/config.debug == DebugLevel::Detail);
+  }
+  if (config.size == 1) {
+    cpu_transport = std::make_shared<detail::LocalTransport>();
+  } else {
+    start_gloo_backend();
+    cpu_transport =
+        detail::choose_transport(config, store, peers, cpu_backend, group_options());
+  }
+  transport_description = cpu_transport->describe();
+}
+
 World init(const WorldOptions& options) {
   auto impl = std::make_shared<World::Impl>();
   impl->config = detail::resolve_world(options, detail::process_environment());
+  impl->replica = impl->config.rank;
+  impl->slots = impl->config.size;
   detail::timeline::start(impl->config.rank);
   impl->job_store = detail::connect_job_store(impl->config);
   impl->store = impl->job_store->store();
-  std::vector<detail::ProcessIdentity> peers{detail::this_process()};
-  if (impl->config.size > 1) {
-    peers = detail::join(impl->store, impl->config, impl->job_store->nonce());
-    impl->ledger = std::make_unique<detail::Ledger>(
-        impl->job_store->ledger_board(impl->config.rank, impl->config.size),
-        impl->config.rank, peers, impl->config.timeout,
-        /*compare=*/impl->config.debug == DebugLevel::Detail);
+  if (impl->config.standby) {
+    // Restarted alone: the others are mid-training, and this process meets
+    // them through lockstep::FaultTolerance, from a world of its own.
+    impl->config.source = detail::str("restarted alone (incarnation ", impl->config.incarnation,
+                                      " of rank ", impl->replica, ")");
+    impl->config.rank = 0;
+    impl->config.size = 1;
+    impl->config.local_rank = 0;
+    impl->config.local_size = 1;
   }
-  if (impl->config.size == 1) {
-    impl->cpu_transport = std::make_shared<detail::LocalTransport>();
-  } else {
-    impl->start_gloo_backend();
-    impl->cpu_transport =
-        detail::choose_transport(impl->config, impl->store, peers, impl->cpu_backend,
-                                 impl->group_options());
-  }
-  impl->transport_description = impl->cpu_transport->describe();
+  impl->connect([&] { return impl->job_store->ledger_board(impl->config.rank, impl->config.size); });
   if (impl->config.debug != DebugLevel::Off) {
     std::cerr << "lockstep INFO rank " << impl->config.rank << ": collectives of CPU tensors go "
               << "through " << impl->transport_description << std::endl;

@@ -28,7 +28,7 @@ int main(int argc, char** argv) {
       if (result.outcome == Outcome::Interrupted) {
         return 128 + result.signal;
       }
-      if (attempt >= options.max_restarts) {
+      if (attempt >= options.max_restarts || options.restart_rank) {
         std::cerr << "lockstep-run: the job failed"
                   << (options.max_restarts > 0 ? " after " + std::to_string(attempt) + " restart(s)" : "")
                   << std::endl;

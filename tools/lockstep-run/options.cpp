@@ -26,6 +26,13 @@ options:
                        prefixing its lines with [R] here
   --max-restarts R     after a failure, restart all ranks of this machine,
                        up to R times (default 0)
+  --restart WHAT       what a restart restarts: "all" (default: every rank
+                       of this machine; the job resumes from its checkpoint)
+                       or "rank" (only the rank that failed, up to R times
+                       in all, while the others go on: for programs that
+                       train with lockstep::FaultTolerance, where it rejoins
+                       and receives the live state; it gets
+                       LOCKSTEP_INCARNATION, its restart count)
   --grace S            seconds between SIGTERM and SIGKILL when stopping
                        ranks (default 3)
   -h, --help           this text
@@ -88,6 +95,12 @@ RunOptions parse_options(int argc, char** argv) {
       options.log_dir = value(arg);
     } else if (arg == "--max-restarts") {
       options.max_restarts = parse_int(arg, value(arg), 0);
+    } else if (arg == "--restart") {
+      std::string what = value(arg);
+      if (what != "all" && what != "rank") {
+        throw UsageError("--restart needs \"all\" or \"rank\", got '" + what + "'");
+      }
+      options.restart_rank = what == "rank";
     } else if (arg == "--grace") {
       options.grace_seconds = parse_int(arg, value(arg), 0);
     } else {

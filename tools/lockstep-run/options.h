@@ -17,6 +17,7 @@ struct RunOptions {
   std::string job_id; // empty: LOCKSTEP_JOB_ID as it is
   std::string log_dir; // empty: prefix lines on this terminal
   int max_restarts = 0;
+  bool restart_rank = false; // --restart rank: only the failed rank restarts
   double grace_seconds = 3.0; // SIGTERM to SIGKILL when stopping ranks
   std::vector<std::string> command;
   bool help = false;

@@ -42,6 +42,7 @@ struct Rank {
   std::string partial; // a line not yet ended
   bool running = false;
   int status = 0;
+  int incarnation = 0; // with --restart rank: restarts of this rank alone
 };
 
 void say(const std::string& line) {
@@ -96,6 +97,9 @@ void spawn(Rank& rank, const RunOptions& options, int local, int attempt, int po
   set("MASTER_ADDR", options.master_addr);
   set("MASTER_PORT", std::to_string(port));
   set("LOCKSTEP_RESTART_COUNT", std::to_string(attempt));
+  if (options.restart_rank) {
+    set("LOCKSTEP_INCARNATION", std::to_string(rank.incarnation));
+  }
   if (set_omp_threads(options)) {
     set("OMP_NUM_THREADS", "1");
   }
@@ -115,6 +119,9 @@ void spawn(Rank& rank, const RunOptions& options, int local, int attempt, int po
   argv.push_back(nullptr);
 
   int pipe_fds[2];
+  if (rank.output >= 0) {
+    ::close(rank.output); // a restarted rank's predecessor's, drained
+  }
   if (::pipe2(pipe_fds, O_CLOEXEC) != 0) {
     throw std::runtime_error("pipe failed");
   }
@@ -154,7 +161,7 @@ void spawn(Rank& rank, const RunOptions& options, int local, int attempt, int po
   ::fcntl(pipe_fds[0], F_SETFL, O_NONBLOCK);
   rank.output = pipe_fds[0];
   rank.running = true;
-  if (!options.log_dir.empty()) {
+  if (!options.log_dir.empty() && rank.log < 0) {
     std::string path = options.log_dir + "/rank-" + std::to_string(rank.global) + ".log";
     rank.log = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
     if (rank.log < 0) {
@@ -250,6 +257,7 @@ AttemptResult run_attempt(const RunOptions& options, int attempt) {
   }
 
   AttemptResult result;
+  int restarts = 0; // of single ranks, with --restart rank
   bool stopping = false;
   Clock::time_point kill_at;
   int running = options.nproc_per_node;
@@ -295,6 +303,27 @@ AttemptResult run_attempt(const RunOptions& options, int attempt) {
       }
       rank.running = false;
       --running;
+      if (failed(rank.status) && !stopping && options.restart_rank &&
+          restarts < options.max_restarts) {
+        ++restarts;
+        ++rank.incarnation;
+        say("rank " + std::to_string(rank.global) + " " + describe_exit(rank.status) +
+            "; restarting it alone (restart " + std::to_string(restarts) + " of " +
+            std::to_string(options.max_restarts) + "), the others go on");
+        if (rank.output >= 0) {
+          while (true) {
+            ssize_t got = ::read(rank.output, buffer, sizeof(buffer));
+            if (got <= 0) {
+              break;
+            }
+            carry(rank, buffer, static_cast<size_t>(got), false);
+          }
+          carry(rank, "", 0, true);
+        }
+        spawn(rank, options, static_cast<int>(&rank - ranks.data()), attempt, port);
+        ++running;
+        continue;
+      }
       if (failed(rank.status) && !stopping) {
         say("rank " + std::to_string(rank.global) + " " + describe_exit(rank.status) +
             "; stopping the other ranks");

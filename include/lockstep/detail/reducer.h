@@ -72,6 +72,25 @@ class Reducer {
   /// Leaves the join without a collective (an exception is unwinding).
   void leave_join();
 
+  // For lockstep::FaultTolerance (world_change.cpp).
+  /// From now on, a collective that fails inside an iteration ends it
+  /// quietly; take_failure() says why. Raises UsageError where the wrapper
+  /// uses what cannot be undone by a failed step (a step inside backward,
+  /// a join).
+  void tolerate_failures();
+  /// Why a collective of the iterations since the last call failed, or "".
+  std::string take_failure();
+  /// Synchronised backward passes begun so far.
+  int64_t synchronised_backwards() const;
+  /// The world the buckets travel in.
+  World world() const;
+  /// Carries on in `world`, collectively with its other ranks: the
+  /// buckets are laid out there anew, and rebuilt after its first iteration.
+  void adopt_world(World world);
+  /// Every parameter and buffer of the module (what makes its replica), or
+  /// only the buffers.
+  std::vector<at::Tensor> replica_tensors(bool buffers_only = false) const;
+
   struct State;
 
  private:

@@ -1,0 +1,106 @@
+#pragma once
+
+// A dead rank costs one step, not the job. Every step, the ranks agree on
+// who trains it (begin_step) and on whether it counts (commit): a step in
+// which a rank failed is dropped on every rank, the survivors go on at
+// once in a world of their own, and a rank that lockstep-run restarts
+// (--restart rank) rejoins at a later begin_step and receives the model,
+// the optimizer's state and the step number from a live peer, never from
+// a file. See docs/fault-tolerance.md.
+//
+//   lockstep::FaultTolerance ft(ddp, optimizer,
+//                               lockstep::FaultToleranceOptions().min_world_size(1));
+//   while (ft.step() < steps) {
+//     ft.begin_step();
+//     auto [x, y] = batch_for(ft.step(), ft.world().rank(), ft.world().size());
+//     optimizer.zero_grad();
+//     torch::nll_loss(ddp(x), y).backward();
+//     if (ft.commit()) optimizer.step();
+//   }
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <torch/arg.h>
+
+#include <lockstep/ddp.h>
+#include <lockstep/world.h>
+
+namespace torch::optim {
+class Optimizer;
+} // namespace torch::optim
+
+namespace lockstep {
+
+struct FaultToleranceOptions {
+  /// The fewest ranks that train on. Below it, the survivors wait (at most
+  /// `timeout`) for ranks to come back, then raise FaultToleranceError.
+  TORCH_ARG(int, min_world_size) = 1;
+  /// A rank whose heartbeat stops for this long (stopped, hung, cut off)
+  /// is taken for failed and left out. A rank whose process is gone is
+  /// left out at once where the others can see it (on its host).
+  TORCH_ARG(std::chrono::milliseconds, heartbeat_timeout) = std::chrono::seconds(2);
+  /// The limit on waiting for enough ranks, and on forming a world.
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(5);
+  /// With the step number and the rank's launcher rank, seeds the random
+  /// stream of a rank that joins (see docs/fault-tolerance.md).
+  TORCH_ARG(uint64_t, seed) = 0;
+  /// One line on stderr per failure, and per world formed.
+  TORCH_ARG(bool, verbose) = true;
+};
+
+/// What a fault-tolerant loop went through, for logs and figures.
+struct FaultToleranceStats {
+  /// Steps begun but not committed (a rank failed in them).
+  int64_t aborted_steps = 0;
+  /// Worlds formed after the first (after a failure, or to take a rank in).
+  int64_t worlds_formed = 0;
+  /// Seconds spent forming those worlds and bringing new ranks up to date.
+  double reform_seconds = 0;
+  /// Of the last one alone.
+  double last_reform_seconds = 0;
+};
+
+class FaultTolerance {
+ public:
+  /// On a rank of the job's first processes: collective over ddp's world.
+  /// On a rank restarted alone (lockstep-run --restart rank): local; it
+  /// joins the others at its first begin_step(). Takes over the failures
+  /// of ddp's collectives: from now on a rank that fails inside forward or
+  /// backward makes commit() return false instead of an exception.
+  template <typename ModuleType>
+  FaultTolerance(DistributedDataParallel<ModuleType>& ddp,
+                 torch::optim::Optimizer& optimizer,
+                 FaultToleranceOptions options = {})
+      : FaultTolerance(ddp.reducer(), optimizer, options) {}
+  FaultTolerance(std::shared_ptr<detail::Reducer> reducer,
+                 torch::optim::Optimizer& optimizer,
+                 FaultToleranceOptions options);
+  ~FaultTolerance();
+  FaultTolerance(const FaultTolerance&) = delete;
+  FaultTolerance& operator=(const FaultTolerance&) = delete;
+
+  /// Agrees on who trains this step. After a failure, or when a restarted
+  /// rank asks to join, the ranks form a new world here, and a rank that is
+  /// behind receives the live state.
+  void begin_step();
+  /// Whether this step counts: the same answer on every rank of world().
+  /// True when every rank of the step's world averaged its gradients; then
+  /// call optimizer.step(). False when a rank failed during the step: no
+  /// rank applies anything, and the buffers are as the step found them.
+  bool commit();
+  /// Committed steps.
+  int64_t step() const;
+  /// Who trains the current step: this process's rank and the size.
+  const World& world() const;
+  FaultToleranceStats stats() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+} // namespace lockstep

@@ -1,0 +1,70 @@
+// What lockstep::FaultTolerance asks of the reducer: to end an iteration
+// quietly when a rank fails in it, and to go on in the world that the
+// survivors form. The reducer learns only "this iteration did not commit";
+// who failed and how the world re-forms is world/'s and fault/'s.
+
+#include "reducer/reducer_state.h"
+
+namespace lockstep::detail {
+
+void Reducer::tolerate_failures() {
+  auto& state = *state_;
+  std::lock_guard<std::mutex> lock(state.mutex);
+  LOCKSTEP_ENFORCE(
+      !state.in_backward_step, UsageError, "lockstep::FaultTolerance cannot take a wrapper "
+      "that steps inside backward (ddp.step_in_backward): a step whose reduction fails on "
+      "another rank must leave the parameters untouched, and these would have stepped "
+      "already. Call optimizer.step() when ft.commit() returns true instead.");
+  LOCKSTEP_ENFORCE(
+      !state.joining, UsageError, "lockstep::FaultTolerance cannot run inside a join guard: "
+      "it gives each step's batch to the ranks that take part (lockstep::StepSampler), so "
+      "no rank runs out of data before the others.");
+  state.tolerating = true;
+}
+
+std::string Reducer::take_failure() {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return std::exchange(state_->failure, std::string());
+}
+
+int64_t Reducer::synchronised_backwards() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->iteration;
+}
+
+World Reducer::world() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->world;
+}
+
+void Reducer::adopt_world(World world) {
+  auto& state = *state_;
+  std::lock_guard<std::mutex> lock(state.mutex);
+  TORCH_INTERNAL_ASSERT(!state.backward.open, "a world is adopted between iterations");
+  state.world = std::move(world);
+  state.backward = State::Backward{};
+  state.active_ranks = state.world.size();
+  state.buffer_root = 0;
+  state.failure.clear();
+  // Buckets live in the world's memory (the shared segment of its ranks);
+  // laid out as at construction, they follow the first iteration's order
+  // again, the same on every rank.
+  state.layout.rebuilt = false;
+  state.layout_buckets(state.dense_only(state.reverse_registration_order()));
+}
+
+std::vector<at::Tensor> Reducer::replica_tensors(bool buffers_only) const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  std::vector<at::Tensor> tensors;
+  for (const auto& entry : state_->all_params) {
+    if (!buffers_only) {
+      tensors.push_back(entry.tensor);
+    }
+  }
+  for (const auto& entry : state_->named_buffers) {
+    tensors.push_back(entry.tensor);
+  }
+  return tensors;
+}
+
+} // namespace lockstep::detail

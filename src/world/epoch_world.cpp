@@ -1,0 +1,77 @@
+#include "world/epoch_world.h"
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+#include "world/job_secret.h"
+#include "world/world_impl.h"
+
+namespace lockstep::detail {
+
+int WorldAccess::replica(const World& world) {
+  return world.impl_->replica;
+}
+
+int WorldAccess::incarnation(const World& world) {
+  return world.impl_->config.incarnation;
+}
+
+int WorldAccess::slots(const World& world) {
+  return world.impl_->slots;
+}
+
+std::string WorldAccess::prove(const World& world, const std::string& message) {
+  const auto& impl = *world.impl_;
+  if (impl.config.secret.empty()) {
+    return "-";
+  }
+  return detail::prove(impl.config.secret, str("ft|", impl.config.job_id, "|", message, "|",
+                                               impl.job_store->nonce()));
+}
+
+bool WorldAccess::proven(const World& world, const std::string& message,
+                         const std::string& proof) {
+  const auto& impl = *world.impl_;
+  if (impl.config.secret.empty()) {
+    return true;
+  }
+  return detail::proven(impl.config.secret,
+                        str("ft|", impl.config.job_id, "|", message, "|", impl.job_store->nonce()),
+                        proof);
+}
+
+bool WorldAccess::standby(const World& world) {
+  return world.impl_->config.standby;
+}
+
+c10::intrusive_ptr<c10d::Store> WorldAccess::store_connection(const World& world) {
+  return world.impl_->job_store->another_connection();
+}
+
+World WorldAccess::form(const World& base, int rank, int size, const std::string& scope) {
+  const auto& from = *base.impl_;
+  auto impl = std::make_shared<World::Impl>();
+  impl->config = from.config;
+  impl->config.rank = rank;
+  impl->config.size = size;
+  // On one host every rank is local; across hosts the transport groups the
+  // ranks by machine from their identities, whatever these say.
+  impl->config.local_rank = from.config.single_host ? rank : 0;
+  impl->config.local_size = from.config.single_host ? size : 1;
+  impl->replica = from.replica;
+  impl->slots = from.slots;
+  impl->job_store = from.job_store;
+  impl->owns_job_store = false;
+  impl->store = c10::make_intrusive<c10d::PrefixStore>(scope, from.job_store->another_connection());
+  impl->connect([&] { return impl->job_store->ledger_board_under(scope, rank, size); });
+  return World(std::move(impl));
+}
+
+void WorldAccess::abandon(const World& world, const std::string& why) {
+  world.impl_->abandon(why);
+}
+
+std::string WorldAccess::broken(const World& world) {
+  return world.impl_->broken_because();
+}
+
+} // namespace lockstep::detail
