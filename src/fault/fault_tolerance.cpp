@@ -6,6 +6,7 @@
 #include <lockstep/fault_tolerance.h>
 
 #include <algorithm>
+#include <exception>
 #include <future>
 #include <iostream>
 #include <thread>
@@ -40,6 +41,15 @@ uint64_t mix(uint64_t value) {
 
 std::string first_line(const std::string& text) {
   return text.substr(0, text.find('\n'));
+}
+
+// "ranks 0, 2" (launcher ranks).
+std::string describe(const std::vector<Member>& members) {
+  std::string ranks;
+  for (const auto& member : members) {
+    ranks += detail::str(ranks.empty() ? "" : ", ", member.replica);
+  }
+  return (members.size() == 1 ? "rank " : "ranks ") + ranks;
 }
 
 } // namespace
@@ -135,7 +145,16 @@ FaultTolerance::FaultTolerance(std::shared_ptr<detail::Reducer> reducer,
   impl.liveness->watch(0, impl.members, impl.world);
 }
 
-FaultTolerance::~FaultTolerance() = default;
+FaultTolerance::~FaultTolerance() {
+  auto& impl = *impl_;
+  if (std::uncaught_exceptions() == 0 && impl.holds_state) {
+    try {
+      impl.membership->finish(impl.committed);
+    } catch (const std::exception&) {
+      // The store is gone with the job: nobody is left to tell.
+    }
+  }
+}
 
 int64_t FaultTolerance::step() const {
   return impl_->committed;
@@ -280,12 +299,8 @@ void FaultTolerance::Impl::reform() {
   ++stats.worlds_formed;
   stats.reform_seconds += seconds;
   stats.last_reform_seconds = seconds;
-  std::string ranks;
-  for (const auto& member : members) {
-    ranks += detail::str(ranks.empty() ? "" : ", ", member.replica);
-  }
   say(detail::str("trains on in epoch ", epoch, " as rank ", world.rank(), " of ", world.size(),
-                  " (launcher ranks ", ranks, ") from step ", committed, "; formed in ",
+                  " (launcher ", describe(members), ") from step ", committed, "; formed in ",
                   static_cast<int>(seconds * 1000), " ms"));
 }
 
@@ -300,6 +315,12 @@ std::vector<Member> FaultTolerance::Impl::await_members(int64_t target,
   while (true) {
     if (auto decided = membership->members(target)) {
       return *decided;
+    }
+    if (!holds_state) {
+      auto finished = membership->finished();
+      LOCKSTEP_ENFORCE(!finished, FaultToleranceError, "rank ", me.replica, " was restarted "
+                       "to rejoin, but the job's other ranks finished their loop at step ",
+                       finished.value_or(0), ": there is no training left to rejoin.");
     }
     std::vector<Member> candidates;
     for (const auto& arrival : membership->arrivals(target, slots)) {
@@ -316,7 +337,15 @@ std::vector<Member> FaultTolerance::Impl::await_members(int64_t target,
                                  [&](const Member& c) { return c.replica == m.replica; });
       return arrived || liveness->failed(m).has_value();
     });
-    if (all_known && static_cast<int>(candidates.size()) >= options.min_world_size()) {
+    bool state_lives = std::any_of(candidates.begin(), candidates.end(),
+                                   [](const Member& c) { return c.step >= 0; });
+    LOCKSTEP_ENFORCE(
+        !all_known || state_lives || candidates.empty(), FaultToleranceError, "rank ",
+        me.replica, ": every rank that held the trained state has failed (the last world was ",
+        describe(expected), "), and the ranks restarted since have none to receive. Resume "
+        "the job from its last checkpoint (lockstep-run --restart all).");
+    if (all_known && state_lives &&
+        static_cast<int>(candidates.size()) >= options.min_world_size()) {
       return membership->decide_members(target, candidates);
     }
     LOCKSTEP_ENFORCE(
@@ -382,14 +411,12 @@ void FaultTolerance::Impl::bring_up_to_date(World& next, const std::vector<Membe
     }
   }
   int64_t live_step = decided[source].step;
+  TORCH_INTERNAL_ASSERT(live_step >= 0, "a world is decided only with a rank that holds state");
   bool anyone_behind = std::any_of(decided.begin(), decided.end(),
                                    [&](const Member& m) { return m.step != live_step; });
   if (!anyone_behind) {
     return;
   }
-  LOCKSTEP_ENFORCE(live_step >= 0, FaultToleranceError, "no rank of epoch's world holds a "
-                   "trained state: every rank was restarted. Resume the job from a checkpoint "
-                   "(lockstep-run --restart all).");
   bool behind = !holds_state || committed != live_step;
   if (behind) {
     holds_state = false; // until all of it has arrived

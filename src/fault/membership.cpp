@@ -128,6 +128,15 @@ std::optional<std::string> Membership::decision(int64_t epoch, int64_t step) {
   return read(step_key(epoch, step, "decision"));
 }
 
+void Membership::finish(int64_t step) {
+  compare_set("finished", std::to_string(step));
+}
+
+std::optional<int64_t> Membership::finished() {
+  auto text = read("finished");
+  return text ? std::optional<int64_t>(std::stoll(*text)) : std::nullopt;
+}
+
 std::string Membership::abandon(int64_t epoch, const std::string& why) {
   return compare_set(epoch_key(epoch, "abandoned"), why);
 }

@@ -14,6 +14,7 @@
 //   e<E>/abandoned        why epoch E was given up
 //   e<E>/s<S>/votes       how many members' reductions of step S held
 //   e<E>/s<S>/decision    "commit", "commit reform" or "abort <why>"
+//   finished              the step at which a rank ended its loop
 //   beat/<rank>           "<incarnation> <count>": the heartbeat (liveness.h)
 
 #include <cstdint>
@@ -74,6 +75,11 @@ class Membership {
   /// Proposes `decision` for the step; returns the decided one.
   std::string decide_step(int64_t epoch, int64_t step, const std::string& decision);
   std::optional<std::string> decision(int64_t epoch, int64_t step);
+
+  /// Records that the loop ended, at `step`: a rank restarted later has
+  /// nothing to rejoin.
+  void finish(int64_t step);
+  std::optional<int64_t> finished();
 
   /// Marks `epoch` as given up (the first reason stays); returns it.
   std::string abandon(int64_t epoch, const std::string& why);

@@ -189,6 +189,11 @@ class HostJobStore : public JobStore {
     auto deadline = Clock::now() + config.timeout;
     auto pause = std::chrono::milliseconds(2);
     while (!open_for_joining(folder_, config.standby)) {
+      std::error_code ignored;
+      LOCKSTEP_ENFORCE(
+          !config.standby || !fs::exists(folder_ / kClosedFile, ignored), RendezvousError,
+          "rank ", config.rank, " was restarted alone, but the job's other ranks have ended: "
+          "there is no training left to rejoin.");
       LOCKSTEP_ENFORCE(
           Clock::now() < deadline, RendezvousError, "rank ", config.rank,
           " found no job on this host at MASTER_PORT=", config.master_port, " within ",

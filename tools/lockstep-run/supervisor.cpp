@@ -258,6 +258,10 @@ AttemptResult run_attempt(const RunOptions& options, int attempt) {
 
   AttemptResult result;
   int restarts = 0; // of single ranks, with --restart rank
+  // With --restart rank, once a rank has finished, the job is ending: a
+  // rank that fails then (a restarted one with nothing left to rejoin) is
+  // not restarted, and does not fail the job.
+  bool finishing = false;
   bool stopping = false;
   Clock::time_point kill_at;
   int running = options.nproc_per_node;
@@ -303,6 +307,14 @@ AttemptResult run_attempt(const RunOptions& options, int attempt) {
       }
       rank.running = false;
       --running;
+      if (options.restart_rank && !failed(rank.status)) {
+        finishing = true;
+      }
+      if (failed(rank.status) && !stopping && options.restart_rank && finishing) {
+        say("rank " + std::to_string(rank.global) + " " + describe_exit(rank.status) +
+            " after another rank finished; not restarted, the job is ending");
+        continue;
+      }
       if (failed(rank.status) && !stopping && options.restart_rank &&
           restarts < options.max_restarts) {
         ++restarts;

@@ -1,0 +1,250 @@
+// lockstep::FaultTolerance: a dead rank costs the step in flight, not the
+// job. Real processes under lockstep-run --restart rank, killed (SIGKILL)
+// or stopped (SIGSTOP) at chosen moments; each run is compared, step by
+// step, with a reference that applies exactly the committed steps.
+
+#include <signal.h>
+
+#include <fstream>
+#include <regex>
+#include <sstream>
+#include <thread>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <lockstep/lockstep.h>
+
+#include "support/expect_error.h"
+#include "support/models.h"
+#include "support/process.h"
+#include "support/scratch_folder.h"
+#include "support/training.h"
+
+namespace lockstep::testing {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int count(const std::string& text, const std::string& part) {
+  int found = 0;
+  for (size_t at = text.find(part); at != std::string::npos; at = text.find(part, at + 1)) {
+    ++found;
+  }
+  return found;
+}
+
+// What tests/programs/elastic_float64.cpp computes, in one process on the
+// whole global batch: the parameters' sum after each step, and the last
+// parameters. The program's ranks take equal shares of each global batch
+// (12 samples, and world sizes 1 to 4), so the average of their mean
+// losses' gradients is the mean over the batch: the same steps, in
+// another order of summation.
+struct Reference {
+  std::vector<double> sums; // after step s + 1
+  torch::Tensor parameters;
+};
+
+Reference reference(int64_t steps) {
+  torch::manual_seed(7);
+  Mlp model;
+  model->to(torch::kDouble);
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  torch::manual_seed(11);
+  auto inputs = torch::randn({120, 20}, torch::kDouble);
+  auto targets = torch::randn({120, 5}, torch::kDouble);
+  StepSampler sampler(120, StepSamplerOptions().global_batch_size(12));
+  Reference result;
+  for (int64_t step = 0; step < steps; ++step) {
+    auto index = torch::tensor(sampler.indices(step, 0, 1), torch::kLong);
+    optimizer.zero_grad();
+    torch::mse_loss(model(inputs.index_select(0, index)), targets.index_select(0, index))
+        .backward();
+    optimizer.step();
+    double sum = 0;
+    for (const auto& param : model->parameters()) {
+      sum += param.sum().item<double>();
+    }
+    result.sums.push_back(sum);
+  }
+  result.parameters =
+      torch::cat({model->fc1->weight.flatten(), model->fc1->bias, model->fc2->weight.flatten(),
+                  model->fc2->bias, model->fc3->weight.flatten(), model->fc3->bias});
+  return result;
+}
+
+// Each parameter differs from the reference's by at most kFloat64Tolerance
+// (see training.h); a sum of about 1000 of them, by at most 1000 times it.
+constexpr double kSumTolerance = 1000 * kFloat64Tolerance;
+
+void expect_committed_steps_match(const ScratchFolder& out, int ranks, const Reference& ref) {
+  for (int rank = 0; rank < ranks; ++rank) {
+    std::ifstream log(out / ("rank-" + std::to_string(rank) + ".log"));
+    int64_t step = 0;
+    int size = 0;
+    double sum = 0;
+    int lines = 0;
+    while (log >> step >> size >> sum) {
+      ++lines;
+      ASSERT_GE(step, 1);
+      ASSERT_LE(step, static_cast<int64_t>(ref.sums.size()));
+      EXPECT_NEAR(sum, ref.sums[step - 1], kSumTolerance)
+          << "rank " << rank << " after step " << step << " in a world of " << size;
+    }
+    EXPECT_GT(lines, 0) << "rank " << rank << " committed no step";
+  }
+  std::ifstream file(out / "parameters.bin", std::ios::binary);
+  std::vector<double> values(static_cast<size_t>(ref.parameters.numel()));
+  file.read(reinterpret_cast<char*>(values.data()),
+            static_cast<std::streamsize>(values.size() * sizeof(double)));
+  ASSERT_TRUE(file) << "the run wrote no final parameters";
+  auto actual = torch::tensor(values, torch::kDouble);
+  EXPECT_TRUE(torch::allclose(actual, ref.parameters, 0, kFloat64Tolerance))
+      << "largest difference " << (actual - ref.parameters).abs().max().item<double>();
+}
+
+std::vector<std::string> launch(int ranks, int restarts) {
+  return {LOCKSTEP_RUN_BINARY, "--nproc-per-node", std::to_string(ranks), "--restart",
+          "rank", "--max-restarts", std::to_string(restarts), "--"};
+}
+
+struct KillPlan {
+  int ranks;
+  /// LOCKSTEP_TEST_KILLS of elastic_float64.
+  std::string kills;
+  int killed;
+};
+
+class FaultToleranceKills : public ::testing::TestWithParam<KillPlan> {};
+
+TEST_P(FaultToleranceKills, EachFailureCostsOneStepAndTheRunEqualsTheCommittedSteps) {
+  const auto& plan = GetParam();
+  ScratchFolder out("ft-kills");
+  constexpr int64_t kSteps = 160;
+  auto argv = launch(plan.ranks, plan.killed);
+  for (std::string arg : {ELASTIC_FLOAT64_BINARY, "160", out.path().c_str(), "10"}) {
+    argv.push_back(arg);
+  }
+  auto result = run_process(argv, {{"LOCKSTEP_TEST_KILLS", plan.kills}}, std::chrono::seconds(120));
+  ASSERT_TRUE(result.ok()) << result.status() << "\n" << result.output;
+  // Every kill was a restart of that rank alone, and every restarted rank
+  // received the live state from a peer.
+  EXPECT_EQ(count(result.output, "killed by signal 9"), plan.killed) << result.output;
+  EXPECT_EQ(count(result.output, "restarting it alone"), plan.killed) << result.output;
+  EXPECT_EQ(count(result.output, "received the live state"), plan.killed) << result.output;
+  EXPECT_EQ(count(result.output, "the job is ending"), 0) << result.output;
+  // Replicas checked bit for bit at the end, on every rank.
+  EXPECT_EQ(count(result.output, ": " + std::to_string(kSteps) + " steps"), plan.ranks)
+      << result.output;
+  expect_committed_steps_match(out, plan.ranks, reference(kSteps));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Plans,
+    FaultToleranceKills,
+    ::testing::Values(
+        // Rank 1 in backward with a bucket in flight; then rank 0, whose
+        // process made the job's store, in forward.
+        KillPlan{2, "1:0:4:backward,0:0:10:forward", 2},
+        // In forward, in backward, after the commit (during the step), at
+        // the commit; two at once.
+        KillPlan{3, "1:0:3:forward,2:0:6:backward,0:0:9:step,1:1:12:commit,2:1:30:begin", 5},
+        KillPlan{4, "3:0:5:backward,1:0:10:forward,2:0:10:forward", 3}),
+    [](const ::testing::TestParamInfo<KillPlan>& info) {
+      return std::to_string(info.param.ranks) + "Ranks" + std::to_string(info.param.killed) +
+          "Kills";
+    });
+
+int read_pid(const std::string& path) {
+  int pid = 0;
+  std::ifstream(path) >> pid;
+  return pid;
+}
+
+TEST(FaultTolerance, AStoppedRankIsDroppedAfterTheHeartbeatTimeoutThenRejoins) {
+  ScratchFolder out("ft-stop");
+  auto argv = launch(3, 0);
+  for (std::string arg : {ELASTIC_FLOAT64_BINARY, "300", out.path().c_str(), "10"}) {
+    argv.push_back(arg);
+  }
+  Process job(argv, {});
+  auto deadline = Clock::now() + std::chrono::seconds(120);
+  // Once rank 2 has committed a few steps.
+  while (Clock::now() < deadline) {
+    std::ifstream log(out / "rank-2.log");
+    std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+    if (count(text, "\n") >= 20) {
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  int pid = read_pid(out / "pid-2");
+  ASSERT_GT(pid, 0);
+  ASSERT_EQ(::kill(pid, SIGSTOP), 0);
+  // The heartbeat timeout of elastic_float64 is 1 s.
+  std::this_thread::sleep_for(std::chrono::milliseconds(1800));
+  ASSERT_EQ(::kill(pid, SIGCONT), 0);
+  auto result = job.wait_until(deadline);
+  ASSERT_TRUE(result.ok()) << result.status() << "\n" << result.output;
+  EXPECT_NE(result.output.find("sent no heartbeat for"), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("[2] lockstep: rank 2: received the live state"),
+            std::string::npos)
+      << result.output;
+  EXPECT_EQ(count(result.output, "restarting it alone"), 0) << result.output;
+  EXPECT_EQ(count(result.output, ": 300 steps"), 3) << result.output;
+  expect_committed_steps_match(out, 3, reference(300));
+}
+
+TEST(StepSampler, EachSampleOncePerEpochWhateverTheWorldSize) {
+  StepSampler sampler(100, StepSamplerOptions().global_batch_size(12).seed(3));
+  ASSERT_EQ(sampler.steps_per_epoch(), 8);
+  std::vector<int> seen(100, 0);
+  for (int64_t step = 0; step < 8; ++step) {
+    int size = 1 + static_cast<int>(step % 4); // the world changes every step
+    std::vector<int64_t> batch;
+    for (int rank = 0; rank < size; ++rank) {
+      auto share = sampler.indices(step, rank, size);
+      EXPECT_EQ(static_cast<int64_t>(share.size()), 12 / size);
+      batch.insert(batch.end(), share.begin(), share.end());
+    }
+    EXPECT_EQ(batch, sampler.indices(step, 0, 1)) << "the shares make up the global batch";
+    for (auto index : batch) {
+      ++seen[static_cast<size_t>(index)];
+    }
+  }
+  EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), 96);
+  EXPECT_NE(sampler.indices(8, 0, 1), sampler.indices(0, 0, 1)) << "a new order each epoch";
+  EXPECT_EQ(StepSampler(100, StepSamplerOptions().global_batch_size(5)).indices(0, 1, 2).size(), 2u)
+      << "shares differ by one at most, the first ranks taking the more";
+}
+
+TEST(FaultToleranceErrors, MisuseIsAUsageError) {
+  auto world = init(WorldOptions().rank(0).size(1));
+  Mlp model;
+  DDP<Mlp> ddp(model, world);
+  torch::optim::SGD optimizer(model->parameters(), 0.1);
+  EXPECT_THROW(FaultTolerance(ddp, optimizer, FaultToleranceOptions().min_world_size(0)),
+               ConfigError);
+  FaultTolerance ft(ddp, optimizer, FaultToleranceOptions().verbose(false));
+  expect_error<UsageError>([&] { ft.commit(); }, {"without begin_step()"});
+  ft.begin_step();
+  expect_error<UsageError>([&] { ft.begin_step(); }, {"twice without commit()"});
+  expect_error<UsageError>([&] { ft.commit(); }, {"no synchronised backward"});
+  ft.begin_step();
+  model->zero_grad();
+  ddp(torch::randn({4, 20})).sum().backward();
+  EXPECT_TRUE(ft.commit());
+  EXPECT_EQ(ft.step(), 1);
+  EXPECT_EQ(ft.world().size(), 1);
+
+  Mlp other;
+  DDP<Mlp> stepping(other, world);
+  torch::optim::SGD other_optimizer(other->parameters(), 0.1);
+  stepping.step_in_backward(other_optimizer);
+  expect_error<UsageError>([&] { FaultTolerance(stepping, other_optimizer); }, {"steps inside backward"});
+  expect_error<ConfigError>([&] { StepSampler(10, StepSamplerOptions().global_batch_size(11)); }, {"no larger than the dataset"});
+  expect_error<UsageError>([&] { StepSampler(10, StepSamplerOptions().global_batch_size(2)).indices(0, 0, 3); }, {"cannot be shared among 3 ranks"});
+}
+
+} // namespace
+} // namespace lockstep::testing

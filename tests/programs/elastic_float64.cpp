@@ -1,0 +1,146 @@
+// A float64 MLP trained under lockstep::FaultTolerance, for the test that
+// compares a run with failures, step by step, with a reference that applies
+// exactly the committed steps (tests/fault_tolerance_test.cpp):
+//   elastic_float64 STEPS OUT_DIR [PAUSE_MS]
+// (PAUSE_MS after each step: a restarted rank takes about a second to
+// start, and a plan of kills waits for it to have rejoined.)
+// Each committed step appends "<step> <world size> <sum of parameters>" to
+// OUT_DIR/rank-R.log (R: the launcher rank); at the end the world's rank 0
+// writes OUT_DIR/parameters.bin; each process writes its pid to
+// OUT_DIR/pid-R as it starts. LOCKSTEP_TEST_KILLS="R:I:STEP:PHASE,..."
+// makes incarnation I of rank R kill itself (SIGKILL) at the first step from
+// STEP on that the whole world trains (so that the rank killed before has
+// rejoined and holds the state), in PHASE:
+// begin (before begin_step), forward, backward (inside it, once the first
+// bucket has left), commit (before commit) or step (after commit, before
+// optimizer.step).
+
+#include <unistd.h>
+
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+
+#include <torch/torch.h>
+
+#include <lockstep/lockstep.h>
+
+#include "support/models.h"
+
+namespace {
+
+struct Kill {
+  int replica, incarnation;
+  int64_t step;
+  std::string phase;
+};
+
+std::vector<Kill> planned_kills() {
+  std::vector<Kill> kills;
+  const char* plan = std::getenv("LOCKSTEP_TEST_KILLS");
+  std::stringstream in(plan ? plan : "");
+  for (std::string item; std::getline(in, item, ',');) {
+    Kill kill;
+    char phase[32] = {0};
+    long long step = 0;
+    if (std::sscanf(item.c_str(), "%d:%d:%lld:%31s", &kill.replica, &kill.incarnation, &step,
+                    phase) == 4) {
+      kill.step = step;
+      kill.phase = phase;
+      kills.push_back(kill);
+    }
+  }
+  return kills;
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  int64_t steps = argc > 1 ? std::atoll(argv[1]) : 20;
+  std::string out = argc > 2 ? argv[2] : ".";
+  int pause_ms = argc > 3 ? std::atoi(argv[3]) : 0;
+  int replica = std::atoi(std::getenv("RANK") ? std::getenv("RANK") : "0");
+  int incarnation =
+      std::atoi(std::getenv("LOCKSTEP_INCARNATION") ? std::getenv("LOCKSTEP_INCARNATION") : "0");
+  auto kills = planned_kills();
+  int64_t now_step = 0;
+  bool whole = false;
+  auto maybe_die = [&](const char* phase) {
+    for (const auto& kill : kills) {
+      if (kill.replica == replica && kill.incarnation == incarnation && whole &&
+          now_step >= kill.step && kill.phase == phase) {
+        std::raise(SIGKILL);
+      }
+    }
+  };
+
+  torch::set_num_threads(1);
+  std::ofstream(out + "/pid-" + std::to_string(replica)) << ::getpid() << "\n";
+  auto world = lockstep::init();
+  int world_size = std::atoi(std::getenv("WORLD_SIZE") ? std::getenv("WORLD_SIZE") : "1");
+  torch::manual_seed(7);
+  lockstep::testing::Mlp model;
+  model->to(torch::kDouble);
+  // A bucket per layer, so that a rank dies with buckets in flight.
+  lockstep::DDP<lockstep::testing::Mlp> ddp(
+      model, world, lockstep::DdpOptions().bucket_cap_mb(0.001).first_bucket_cap_mb(0.001));
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  lockstep::FaultTolerance ft(ddp, optimizer,
+                              lockstep::FaultToleranceOptions().heartbeat_timeout(
+                                  std::chrono::milliseconds(1000)));
+  model->fc1->weight.register_hook([&](torch::Tensor grad) {
+    maybe_die("backward");
+    return grad;
+  });
+
+  torch::manual_seed(11);
+  auto inputs = torch::randn({120, 20}, torch::kDouble);
+  auto targets = torch::randn({120, 5}, torch::kDouble);
+  lockstep::StepSampler sampler(120, lockstep::StepSamplerOptions().global_batch_size(12));
+  std::ofstream log(out + "/rank-" + std::to_string(replica) + ".log", std::ios::app);
+  while (ft.step() < steps) {
+    now_step = ft.step();
+    maybe_die("begin");
+    ft.begin_step();
+    now_step = ft.step();
+    whole = ft.world().size() == world_size;
+    auto index = torch::tensor(sampler.indices(ft.step(), ft.world().rank(), ft.world().size()),
+                               torch::kLong);
+    optimizer.zero_grad();
+    maybe_die("forward");
+    auto loss = torch::mse_loss(ddp(inputs.index_select(0, index)), targets.index_select(0, index));
+    loss.backward();
+    maybe_die("commit");
+    if (!ft.commit()) {
+      continue;
+    }
+    maybe_die("step");
+    optimizer.step();
+    double sum = 0;
+    for (const auto& param : model->parameters()) {
+      sum += param.sum().item<double>();
+    }
+    char line[128];
+    std::snprintf(line, sizeof(line), "%lld %d %.17g\n", static_cast<long long>(ft.step()),
+                  ft.world().size(), sum);
+    log << line << std::flush;
+    std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
+  }
+  ddp.check_replicas();
+  if (ft.world().rank() == 0) {
+    auto flat = torch::cat({model->fc1->weight.flatten(), model->fc1->bias, model->fc2->weight.flatten(),
+                            model->fc2->bias, model->fc3->weight.flatten(), model->fc3->bias});
+    std::ofstream(out + "/parameters.bin", std::ios::binary)
+        .write(static_cast<const char*>(flat.data_ptr()), flat.numel() * sizeof(double));
+  }
+  auto stats = ft.stats();
+  std::printf("elastic_float64: rank %d: %lld steps, %lld dropped, %lld world(s) formed\n",
+              replica, static_cast<long long>(ft.step()),
+              static_cast<long long>(stats.aborted_steps),
+              static_cast<long long>(stats.worlds_formed));
+  return 0;
+}
