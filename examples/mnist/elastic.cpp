@@ -32,7 +32,7 @@ namespace {
 struct Flags {
   std::string data = "data/mnist";
   int64_t steps = 400;
-  int64_t global_batch = 60;
+  int64_t global_batch = 96;
   double lr = 0.05;
   uint64_t seed = 1;
   int min_world_size = 1;
@@ -46,7 +46,7 @@ struct Flags {
 const char* const kUsage = R"(usage: mnist_elastic [flags]
   --data DIR              MNIST IDX files (default data/mnist)
   --steps N               committed steps to train (default 400)
-  --global-batch N        samples per step over all ranks (default 60)
+  --global-batch N        samples per step over all ranks (default 96)
   --lr X                  SGD learning rate, momentum 0.9 (default 0.05)
   --seed N                model initialisation and data order (default 1)
   --min-world-size N      FaultToleranceOptions::min_world_size (default 1)

@@ -138,6 +138,8 @@ struct World::Impl : std::enable_shared_from_this<World::Impl> {
   uint64_t begin(const std::string& what) {
     {
       std::lock_guard<std::mutex> lock(broken_mutex);
+      LOCKSTEP_ENFORCE(!abandoned, CollectiveError, "rank ", config.rank, ": ", what,
+                       " cannot start: this world was given up: ", broken, ".");
       LOCKSTEP_ENFORCE(
           broken.empty(), CollectiveError, "rank ", config.rank, ": ", what,
           " cannot start: ", broken, " on this rank, so this world is unusable (the "
