@@ -45,6 +45,18 @@ RankPhase read_phase(const std::string& dir, int rank) {
   return now;
 }
 
+// Running, and not a zombie that its launcher has yet to reap.
+bool alive(int pid) {
+  if (pid <= 0 || ::kill(pid, 0) != 0) {
+    return false;
+  }
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  std::getline(stat, line);
+  auto state = line.find(") ");
+  return state != std::string::npos && line[state + 2] != 'Z';
+}
+
 int count(const std::string& text, const std::string& part) {
   int found = 0;
   for (size_t at = text.find(part); at != std::string::npos; at = text.find(part, at + 1)) {
@@ -63,10 +75,12 @@ class Chaos {
     while (Clock::now() < deadline) {
       int training = 0;
       for (int rank = 0; rank < kRanks; ++rank) {
+        // A killed rank's file shows its last phase until its restart has
+        // started and written its own: only a live process counts.
         auto now = read_phase(phases_, rank);
         training += (now.phase == "forward" || now.phase == "backward" || now.phase == "step" ||
                      now.phase == "commit") &&
-                    now.step > 0;
+                    now.step > 0 && alive(now.pid);
       }
       if (training == kRanks) {
         return true;
@@ -90,7 +104,7 @@ class Chaos {
           continue;
         }
         auto now = read_phase(phases_, rank);
-        if (now.phase == phase && now.pid > 0 && ::kill(now.pid, signo) == 0) {
+        if (now.phase == phase && alive(now.pid) && ::kill(now.pid, signo) == 0) {
           return describe(rank, now, signo);
         }
       }

@@ -122,7 +122,8 @@ FaultTolerance::FaultTolerance(std::shared_ptr<detail::Reducer> reducer,
   impl.me.incarnation = WorldAccess::incarnation(impl.base);
   impl.me.identity = detail::this_process();
   impl.membership = std::make_unique<detail::Membership>(impl.ft_store());
-  impl.liveness = std::make_unique<detail::Liveness>(impl.ft_store(), impl.me, impl.slots,
+  impl.liveness = std::make_unique<detail::Liveness>([&impl] { return impl.ft_store(); },
+                                                     impl.me, impl.slots,
                                                      options.heartbeat_timeout());
   if (WorldAccess::standby(impl.base)) {
     // Restarted alone: it joins at its first begin_step.

@@ -16,11 +16,12 @@ constexpr auto kLook = std::chrono::milliseconds(25);
 
 } // namespace
 
-Liveness::Liveness(c10::intrusive_ptr<c10d::Store> store,
+Liveness::Liveness(std::function<c10::intrusive_ptr<c10d::Store>()> connect,
                    const Member& me,
                    int slots,
                    std::chrono::milliseconds heartbeat_timeout)
-    : membership_(std::move(store)),
+    : connect_(std::move(connect)),
+      membership_(std::make_unique<Membership>(connect_())),
       me_(me),
       slots_(slots),
       timeout_(heartbeat_timeout),
@@ -43,8 +44,13 @@ void Liveness::run() {
       listen();
       judge();
     } catch (const std::exception&) {
-      // The store is unreachable for a moment (or for good: the waits of
-      // the main thread say so, with their own limits).
+      // The store is unreachable (for good: the main thread's waits say so,
+      // with their own limits). A client whose answer timed out would read
+      // that late answer as the next one's: connect anew.
+      try {
+        membership_ = std::make_unique<Membership>(connect_());
+      } catch (const std::exception&) {
+      }
     }
     std::unique_lock<std::mutex> lock(sleeping);
     wake_.wait_for(lock, kLook, [this] { return stop_.load(); });
@@ -52,7 +58,7 @@ void Liveness::run() {
 }
 
 void Liveness::listen() {
-  auto& store = membership_.store();
+  auto& store = membership_->store();
   std::lock_guard<std::mutex> lock(mutex_);
   auto& mine = beats_[me_.replica];
   ++mine.count;
@@ -133,13 +139,13 @@ void Liveness::judge() {
     }
   }
   if (why.empty()) {
-    auto reported = membership_.abandoned(epoch);
+    auto reported = membership_->abandoned(epoch);
     if (!reported) {
       return;
     }
     why = *reported;
   } else {
-    why = membership_.abandon(epoch, why);
+    why = membership_->abandon(epoch, why);
   }
   std::lock_guard<std::mutex> lock(mutex_);
   if (watched_epoch_ == epoch && verdict_.empty()) {

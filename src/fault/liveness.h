@@ -12,6 +12,8 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <functional>
+#include <memory>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -27,8 +29,9 @@ namespace lockstep::detail {
 
 class Liveness {
  public:
-  /// `store`: a connection of the thread's own, scoped to "ft".
-  Liveness(c10::intrusive_ptr<c10d::Store> store,
+  /// `connect` gives a connection of the thread's own, scoped to "ft" (again
+  /// after one failed: a client whose answer timed out is out of step).
+  Liveness(std::function<c10::intrusive_ptr<c10d::Store>()> connect,
            const Member& me,
            int slots,
            std::chrono::milliseconds heartbeat_timeout);
@@ -49,7 +52,8 @@ class Liveness {
   void listen();
   void judge();
 
-  Membership membership_;
+  std::function<c10::intrusive_ptr<c10d::Store>()> connect_;
+  std::unique_ptr<Membership> membership_;
   Member me_;
   int slots_;
   std::chrono::milliseconds timeout_;

@@ -6,6 +6,7 @@
 
 #include <lockstep/error.h>
 
+#include "common/wording.h"
 #include "compat/c10d.h"
 
 namespace lockstep::detail {
@@ -39,22 +40,49 @@ std::string step_key(int64_t epoch, int64_t step, const std::string& key) {
 
 Membership::Membership(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {}
 
-std::optional<std::string> Membership::read(const std::string& key) {
-  if (!store_->check({key})) {
-    return std::nullopt;
+namespace {
+
+// A store that does not answer within its timeout (its host cut off, or
+// gone) leaves this rank unable to agree on anything: it ends, and
+// lockstep-run --restart rank restarts it to rejoin once the store answers.
+template <typename Operation>
+auto guarded(const char* what, Operation operation) {
+  try {
+    return operation();
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    LOCKSTEP_FAIL(FaultToleranceError, "this rank lost the job's store while it ", what,
+                  ", so it can no longer agree with the others on who trains; it ends, and "
+                  "lockstep-run --restart rank restarts it to rejoin once the store answers.\n"
+                  "  cause: ", describe_exception(e));
   }
-  auto bytes = store_->get(key);
-  return std::string(bytes.begin(), bytes.end());
+}
+
+} // namespace
+
+std::optional<std::string> Membership::read(const std::string& key) {
+  return guarded("read its state", [&]() -> std::optional<std::string> {
+    if (!store_->check({key})) {
+      return std::nullopt;
+    }
+    auto bytes = store_->get(key);
+    return std::string(bytes.begin(), bytes.end());
+  });
 }
 
 std::string Membership::compare_set(const std::string& key, const std::string& value) {
-  auto stored = store_->compareSet(key, {}, std::vector<uint8_t>(value.begin(), value.end()));
-  return std::string(stored.begin(), stored.end());
+  return guarded("proposed a decision", [&] {
+    auto stored = store_->compareSet(key, {}, std::vector<uint8_t>(value.begin(), value.end()));
+    return std::string(stored.begin(), stored.end());
+  });
 }
 
 void Membership::arrive(int64_t epoch, const Member& me) {
-  store_set(*store_, epoch_key(epoch, str("arrive/", me.replica)), me.to_record());
-  store_->add(epoch_key(epoch, "wanting"), 1);
+  guarded("announced itself", [&] {
+    store_set(*store_, epoch_key(epoch, str("arrive/", me.replica)), me.to_record());
+    store_->add(epoch_key(epoch, "wanting"), 1);
+  });
 }
 
 std::vector<Member> Membership::arrivals(int64_t epoch, int slots) {
@@ -68,7 +96,8 @@ std::vector<Member> Membership::arrivals(int64_t epoch, int slots) {
 }
 
 bool Membership::wanted(int64_t epoch) {
-  return store_->check({epoch_key(epoch, "wanting")});
+  return guarded("looked for ranks to take in",
+                 [&] { return store_->check({epoch_key(epoch, "wanting")}); });
 }
 
 namespace {
@@ -106,18 +135,18 @@ std::vector<Member> Membership::decide_members(int64_t epoch,
 int64_t Membership::latest_epoch() {
   auto text = read("latest");
   int64_t epoch = text ? std::stoll(*text) : 0;
-  while (store_->check({epoch_key(epoch + 1, "members")})) {
+  while (read(epoch_key(epoch + 1, "members"))) {
     ++epoch;
   }
   return epoch;
 }
 
 void Membership::note_latest_epoch(int64_t epoch) {
-  store_set(*store_, "latest", std::to_string(epoch));
+  guarded("noted its world", [&] { store_set(*store_, "latest", std::to_string(epoch)); });
 }
 
 int64_t Membership::vote(int64_t epoch, int64_t step) {
-  return store_->add(step_key(epoch, step, "votes"), 1);
+  return guarded("voted", [&] { return store_->add(step_key(epoch, step, "votes"), 1); });
 }
 
 std::string Membership::decide_step(int64_t epoch, int64_t step, const std::string& decision) {

@@ -62,7 +62,7 @@ World WorldAccess::form(const World& base, int rank, int size, const std::string
   impl->job_store = from.job_store;
   impl->owns_job_store = false;
   impl->store = c10::make_intrusive<c10d::PrefixStore>(scope, from.job_store->another_connection());
-  impl->connect([&] { return impl->job_store->ledger_board_under(scope, rank, size); });
+  impl->connect([&] { return impl->job_store->ledger_board_under(scope, impl->store, rank, size); });
   return World(std::move(impl));
 }
 

@@ -245,18 +245,19 @@ class TcpJobStore : public JobStore {
   }
 
   std::unique_ptr<LedgerBoard> ledger_board(int rank, int size) override {
-    return ledger_board_under("", rank, size);
+    return make_store_board(c10::make_intrusive<c10d::PrefixStore>("ledger", store_), rank, size,
+                            c10::make_intrusive<c10d::PrefixStore>("ledger", another_connection()));
   }
 
   std::unique_ptr<LedgerBoard> ledger_board_under(const std::string& scope,
+                                                  c10::intrusive_ptr<c10d::Store> store,
                                                   int rank,
                                                   int size) override {
     // The heartbeat has a connection of its own.
-    auto under = [&](c10::intrusive_ptr<c10d::Store> store) -> c10::intrusive_ptr<c10d::Store> {
-      auto ledger = c10::make_intrusive<c10d::PrefixStore>("ledger", std::move(store));
-      return scope.empty() ? ledger : c10::make_intrusive<c10d::PrefixStore>(scope, ledger);
-    };
-    return make_store_board(under(store_), rank, size, under(another_connection()));
+    auto heartbeat = c10::make_intrusive<c10d::PrefixStore>(
+        "ledger", c10::make_intrusive<c10d::PrefixStore>(scope, another_connection()));
+    return make_store_board(c10::make_intrusive<c10d::PrefixStore>("ledger", std::move(store)),
+                            rank, size, heartbeat);
   }
 
   c10::intrusive_ptr<c10d::Store> another_connection() override {
@@ -286,11 +287,12 @@ class LocalJobStore : public JobStore {
 
 } // namespace
 
-std::unique_ptr<LedgerBoard> JobStore::ledger_board_under(const std::string& scope,
+std::unique_ptr<LedgerBoard> JobStore::ledger_board_under(const std::string& /*scope*/,
+                                                          c10::intrusive_ptr<c10d::Store> store,
                                                           int rank,
                                                           int size) {
-  return make_store_board(
-      c10::make_intrusive<c10d::PrefixStore>(scope + "/ledger", store_), rank, size);
+  return make_store_board(c10::make_intrusive<c10d::PrefixStore>("ledger", std::move(store)),
+                          rank, size);
 }
 
 void fail_port_in_use(const WorldConfig& config, const std::string& cause) {

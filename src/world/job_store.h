@@ -29,10 +29,11 @@ class JobStore {
   }
   /// Where the ledger of this kind of store keeps its records.
   virtual std::unique_ptr<LedgerBoard> ledger_board(int rank, int size) = 0;
-  /// The ledger of a world that fault tolerance forms later, under the
-  /// store's keys `scope`: always in the store, since the ranks of such a
-  /// world are known only once it forms.
+  /// The ledger of a world that fault tolerance forms later: in `store`
+  /// (that world's own connection, under its keys `scope`), since the ranks
+  /// of such a world are known only once it forms.
   virtual std::unique_ptr<LedgerBoard> ledger_board_under(const std::string& scope,
+                                                          c10::intrusive_ptr<c10d::Store> store,
                                                           int rank,
                                                           int size);
   /// A connection of its own to the same store, scoped alike: a c10d store

@@ -30,7 +30,9 @@ int main(int argc, char** argv) {
       }
       if (attempt >= options.max_restarts || options.restart_rank) {
         std::cerr << "lockstep-run: the job failed"
-                  << (options.max_restarts > 0 ? " after " + std::to_string(attempt) + " restart(s)" : "")
+                  << (options.max_restarts > 0 && !options.restart_rank
+                          ? " after " + std::to_string(attempt) + " restart(s)"
+                          : "")
                   << std::endl;
         return 1;
       }
