@@ -1,0 +1,105 @@
+// What a failure costs, with the 10.5M MLP (bench_models.h), batch 64 per
+// rank, SGD: bench/run-fault-tolerance kills a rank mid-run and reads the
+// lines this prints ("rank R pid P step S wall MS size N" after each step).
+//   bench_fault elastic STEPS          lockstep::FaultTolerance, under
+//                                      lockstep-run --restart rank
+//   bench_fault checkpoint STEPS EVERY DIR   plain DDP, a checkpoint every
+//                                      EVERY steps, resumed from at start
+//                                      (lockstep-run --restart all)
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+#include <unistd.h>
+
+#include <torch/torch.h>
+
+#include <lockstep/lockstep.h>
+
+#include "bench_models.h"
+
+namespace {
+
+double wall_ms() {
+  return std::chrono::duration<double, std::milli>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+int launcher_rank() {
+  return std::getenv("RANK") ? std::atoi(std::getenv("RANK")) : 0;
+}
+
+void report(int64_t step, int size) {
+  std::printf("rank %d pid %d step %lld wall %.1f size %d\n", launcher_rank(),
+              static_cast<int>(::getpid()), static_cast<long long>(step), wall_ms(), size);
+  std::fflush(stdout);
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  std::string mode = argc > 1 ? argv[1] : "elastic";
+  int64_t steps = argc > 2 ? std::atoll(argv[2]) : 100;
+  std::printf("rank %d pid %d\n", launcher_rank(), static_cast<int>(::getpid()));
+  std::fflush(stdout);
+  auto world = lockstep::init();
+  torch::manual_seed(0);
+  lockstep::bench::Mlp model;
+  lockstep::DDP<lockstep::bench::Mlp> ddp(model, world);
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+  auto x = torch::randn({64, 1024});
+  auto y = torch::randint(0, 10, {64});
+  auto train = [&] {
+    optimizer.zero_grad();
+    torch::cross_entropy_loss(ddp(x), y).backward();
+  };
+
+  if (mode == "elastic") {
+    lockstep::FaultTolerance ft(ddp, optimizer,
+                                lockstep::FaultToleranceOptions().heartbeat_timeout(
+                                    std::chrono::milliseconds(1000)));
+    while (ft.step() < steps) {
+      ft.begin_step();
+      train();
+      if (ft.commit()) {
+        optimizer.step();
+        report(ft.step(), ft.world().size());
+      }
+    }
+    std::printf("rank %d dropped %lld\n", launcher_rank(),
+                static_cast<long long>(ft.stats().aborted_steps));
+    return 0;
+  }
+
+  int64_t every = argc > 3 ? std::atoll(argv[3]) : 50;
+  std::string path = std::string(argc > 4 ? argv[4] : ".") + "/checkpoint.pt";
+  int64_t first = 0;
+  if (std::filesystem::exists(path)) {
+    torch::serialize::InputArchive archive;
+    archive.load_from(path);
+    model->load(archive);
+    optimizer.load(archive);
+    torch::Tensor step;
+    archive.read("step", step);
+    first = step.item<int64_t>();
+    std::printf("rank %d resumed at step %lld\n", launcher_rank(), static_cast<long long>(first));
+  }
+  for (int64_t step = first; step < steps;) {
+    train();
+    optimizer.step();
+    ++step;
+    report(step, world.size());
+    if (step % every == 0 && world.rank() == 0) {
+      torch::serialize::OutputArchive archive;
+      model->save(archive);
+      optimizer.save(archive);
+      archive.write("step", torch::tensor(step));
+      archive.save_to(path + ".tmp");
+      std::filesystem::rename(path + ".tmp", path);
+    }
+  }
+  return 0;
+}
