@@ -16,6 +16,7 @@
 #include <lockstep/lockstep.h>
 
 #include "support/expect_error.h"
+#include "support/multiprocess.h"
 #include "support/models.h"
 #include "support/process.h"
 #include "support/scratch_folder.h"
@@ -193,6 +194,54 @@ TEST(FaultTolerance, AStoppedRankIsDroppedAfterTheHeartbeatTimeoutThenRejoins) {
   EXPECT_EQ(count(result.output, "restarting it alone"), 0) << result.output;
   EXPECT_EQ(count(result.output, ": 300 steps"), 3) << result.output;
   expect_committed_steps_match(out, 3, reference(300));
+}
+
+// A rank stopped past the heartbeat timeout whose rank is restarted (here by
+// hand, as a launcher would) comes back stale: it is refused by name, and
+// the job goes on with its newer incarnation.
+TEST(FaultTolerance, AStaleIncarnationIsRefusedByName) {
+  ScratchFolder out("ft-stale");
+  ScratchFolder later("ft-stale-later");
+  int port = free_port();
+  auto rank_process = [&](int rank, int incarnation, const std::string& folder) {
+    return Process({ELASTIC_FLOAT64_BINARY, "300", folder, "10"},
+                   {{"RANK", std::to_string(rank)}, {"WORLD_SIZE", "3"},
+                    {"LOCAL_RANK", std::to_string(rank)}, {"LOCAL_WORLD_SIZE", "3"},
+                    {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(port)},
+                    {"OMP_NUM_THREADS", "1"}, {"LOCKSTEP_INCARNATION", std::to_string(incarnation)}});
+  };
+  std::vector<Process> ranks;
+  for (int rank = 0; rank < 3; ++rank) {
+    ranks.push_back(rank_process(rank, 0, out.path()));
+  }
+  auto deadline = Clock::now() + std::chrono::seconds(120);
+  while (Clock::now() < deadline) {
+    std::ifstream log(out / "rank-2.log");
+    std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+    if (count(text, "\n") >= 20) {
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_EQ(::kill(ranks[2].pid(), SIGSTOP), 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  Process restarted = rank_process(2, 1, later.path());
+  while (Clock::now() < deadline && restarted.output().find("received the live state") ==
+                                        std::string::npos) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_EQ(::kill(ranks[2].pid(), SIGCONT), 0);
+  auto stale = ranks[2].wait_until(deadline);
+  EXPECT_FALSE(stale.ok());
+  EXPECT_NE(stale.output.find("rank 2 (incarnation 0, pid " + std::to_string(ranks[2].pid()) +
+                              ") is refused: its rank was restarted since, as incarnation 1"),
+            std::string::npos)
+      << stale.output;
+  for (auto* process : {&ranks[0], &ranks[1], &restarted}) {
+    auto result = process->wait_until(deadline);
+    EXPECT_TRUE(result.ok()) << result.status() << "\n" << result.output;
+    EXPECT_NE(result.output.find(": 300 steps"), std::string::npos) << result.output;
+  }
 }
 
 TEST(StepSampler, EachSampleOncePerEpochWhateverTheWorldSize) {

@@ -58,23 +58,33 @@ void Liveness::run() {
 }
 
 void Liveness::listen() {
+  // The store is read outside the lock: failed() must not wait on it.
   auto& store = membership_->store();
-  std::lock_guard<std::mutex> lock(mutex_);
-  auto& mine = beats_[me_.replica];
-  ++mine.count;
-  store_set(store, str("beat/", me_.replica), str(me_.incarnation, " ", mine.count));
-  auto now = Clock::now();
+  std::vector<std::optional<Beat>> heard(slots_);
   for (int replica = 0; replica < slots_; ++replica) {
-    if (replica == me_.replica || !store.check({str("beat/", replica)})) {
+    if (!store.check({str("beat/", replica)})) {
       continue;
     }
     auto bytes = store.get(str("beat/", replica));
     std::istringstream in(std::string(bytes.begin(), bytes.end()));
-    Beat heard;
-    in >> heard.incarnation >> heard.count;
+    Beat beat;
+    in >> beat.incarnation >> beat.count;
+    heard[replica] = beat;
+  }
+  // This rank's own key shows a newer incarnation once its rank was
+  // restarted: this process is then stale, and says nothing more.
+  auto& mine = heard[me_.replica];
+  if (!mine || mine->incarnation <= me_.incarnation) {
+    store_set(store, str("beat/", me_.replica), str(me_.incarnation, " ", ++sent_));
+    mine.reset();
+  }
+  auto now = Clock::now();
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (int replica = 0; replica < slots_; ++replica) {
     auto& beat = beats_[replica];
-    if (heard.incarnation != beat.incarnation || heard.count != beat.count) {
-      beat = heard;
+    if (heard[replica] &&
+        (heard[replica]->incarnation != beat.incarnation || heard[replica]->count != beat.count)) {
+      beat = *heard[replica];
       beat.changed = now;
     }
   }

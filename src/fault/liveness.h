@@ -67,6 +67,7 @@ class Liveness {
     Clock::time_point changed{};
   };
   std::vector<Beat> beats_;
+  int64_t sent_ = 0; // this rank's heartbeats (the thread's alone)
   int64_t watched_epoch_ = -1;
   std::vector<Member> watched_;
   std::optional<World> world_;
