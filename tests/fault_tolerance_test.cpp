@@ -121,9 +121,9 @@ class FaultToleranceKills : public ::testing::TestWithParam<KillPlan> {};
 TEST_P(FaultToleranceKills, EachFailureCostsOneStepAndTheRunEqualsTheCommittedSteps) {
   const auto& plan = GetParam();
   ScratchFolder out("ft-kills");
-  constexpr int64_t kSteps = 160;
+  constexpr int64_t kSteps = 300;
   auto argv = launch(plan.ranks, plan.killed);
-  for (std::string arg : {ELASTIC_FLOAT64_BINARY, "160", out.path().c_str(), "10"}) {
+  for (std::string arg : {std::string(ELASTIC_FLOAT64_BINARY), std::to_string(kSteps), out.path(), std::string("10")}) {
     argv.push_back(arg);
   }
   auto result = run_process(argv, {{"LOCKSTEP_TEST_KILLS", plan.kills}}, std::chrono::seconds(120));

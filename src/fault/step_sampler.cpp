@@ -4,18 +4,9 @@
 
 #include <lockstep/error.h>
 
+#include "common/splitmix.h"
+
 namespace lockstep {
-namespace {
-
-// splitmix64, so that an epoch's order is the same on every platform.
-uint64_t next(uint64_t& state) {
-  uint64_t z = (state += 0x9e3779b97f4a7c15ULL);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
-
-} // namespace
 
 StepSampler::StepSampler(int64_t dataset_size, StepSamplerOptions options)
     : dataset_size_(dataset_size), options_(options) {
@@ -43,7 +34,7 @@ std::vector<int64_t> StepSampler::indices(int64_t step, int rank, int size) cons
     if (options_.shuffle()) {
       uint64_t state = options_.seed() ^ (0x5851f42d4c957f2dULL * static_cast<uint64_t>(epoch + 1));
       for (int64_t i = dataset_size_ - 1; i > 0; --i) {
-        std::swap(order_[i], order_[next(state) % static_cast<uint64_t>(i + 1)]);
+        std::swap(order_[i], order_[detail::splitmix64(state) % static_cast<uint64_t>(i + 1)]);
       }
     }
     epoch_ = epoch;

@@ -157,7 +157,7 @@ class HostJobStore : public JobStore {
     if (!fs::exists(folder_ / kOwnerFile, ignored)) {
       return; // removed already: the file store would wait for it to reappear
     }
-    std::ofstream(folder_ / kClosedFile).flush();
+    std::ofstream(folder_ / kClosedFile) << this_process().to_record() << "\n";
     try {
       if (unscoped_->add(kClosedRanks, 1) == size_) {
         fs::remove_all(folder_, ignored);
@@ -192,8 +192,9 @@ class HostJobStore : public JobStore {
       std::error_code ignored;
       LOCKSTEP_ENFORCE(
           !config.standby || !fs::exists(folder_ / kClosedFile, ignored), RendezvousError,
-          "rank ", config.rank, " was restarted alone, but the job's other ranks have ended: "
-          "there is no training left to rejoin.");
+          "rank ", config.rank, " was restarted alone, but the job's other ranks have ended "
+          "(the first to close was process ", read_file(folder_ / kClosedFile), "): there is "
+          "no training left to rejoin.");
       LOCKSTEP_ENFORCE(
           Clock::now() < deadline, RendezvousError, "rank ", config.rank,
           " found no job on this host at MASTER_PORT=", config.master_port, " within ",

@@ -16,6 +16,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <optional>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -262,6 +263,12 @@ AttemptResult run_attempt(const RunOptions& options, int attempt) {
   // rank that fails then (a restarted one with nothing left to rejoin) is
   // not restarted, and does not fail the job.
   bool finishing = false;
+  // A failure that ends the job once judged (at once, or with --restart
+  // rank after the grace period, unless the job is ending).
+  std::optional<std::string> last_failure;
+  Clock::time_point judge_at;
+  auto grace = std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double>(options.grace_seconds));
   bool stopping = false;
   Clock::time_point kill_at;
   int running = options.nproc_per_node;
@@ -336,19 +343,38 @@ AttemptResult run_attempt(const RunOptions& options, int attempt) {
         ++running;
         continue;
       }
-      if (failed(rank.status) && !stopping) {
-        say("rank " + std::to_string(rank.global) + " " + describe_exit(rank.status) +
-            "; stopping the other ranks");
-        result = {Outcome::RankFailed, 0};
-        stopping = true;
-        signal_all(ranks, SIGTERM);
-        kill_at = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                     std::chrono::duration<double>(options.grace_seconds));
+      if (failed(rank.status) && !stopping && options.restart_rank && !last_failure) {
+        // No restart left; but the job may be ending (a restarted rank
+        // found nothing to rejoin): a rank that finishes within the grace
+        // period says so.
+        last_failure = "rank " + std::to_string(rank.global) + " " + describe_exit(rank.status);
+        judge_at = Clock::now() + grace;
+        continue;
       }
+      if (failed(rank.status) && !stopping) {
+        last_failure = "rank " + std::to_string(rank.global) + " " + describe_exit(rank.status);
+        judge_at = Clock::now();
+      }
+    }
+    if (last_failure && finishing) {
+      say(*last_failure + " as the job ended; not restarted");
+      last_failure.reset();
+    }
+    if (last_failure && !stopping && Clock::now() >= judge_at) {
+      say(*last_failure + "; stopping the other ranks");
+      last_failure.reset();
+      result = {Outcome::RankFailed, 0};
+      stopping = true;
+      signal_all(ranks, SIGTERM);
+      kill_at = Clock::now() + grace;
     }
     if (stopping && running > 0 && Clock::now() >= kill_at) {
       signal_all(ranks, SIGKILL);
     }
+  }
+  if (last_failure) { // the last rank to end failed, and none finished
+    say(*last_failure);
+    result = {Outcome::RankFailed, 0};
   }
   for (auto& rank : ranks) {
     if (rank.output >= 0) {
