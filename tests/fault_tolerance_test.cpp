@@ -126,7 +126,10 @@ TEST_P(FaultToleranceKills, EachFailureCostsOneStepAndTheRunEqualsTheCommittedSt
   for (std::string arg : {std::string(ELASTIC_FLOAT64_BINARY), std::to_string(kSteps), out.path(), std::string("10")}) {
     argv.push_back(arg);
   }
-  auto result = run_process(argv, {{"LOCKSTEP_TEST_KILLS", plan.kills}}, std::chrono::seconds(120));
+  // A collective that stalls (none should) then costs a step, named in
+  // the log, instead of the test's whole limit.
+  auto result = run_process(argv, {{"LOCKSTEP_TEST_KILLS", plan.kills}, {"LOCKSTEP_TIMEOUT", "20"}},
+                            std::chrono::seconds(120));
   ASSERT_TRUE(result.ok()) << result.status() << "\n" << result.output;
   // Every kill was a restart of that rank alone, and every restarted rank
   // received the live state from a peer.
@@ -242,6 +245,50 @@ TEST(FaultTolerance, AStaleIncarnationIsRefusedByName) {
     EXPECT_TRUE(result.ok()) << result.status() << "\n" << result.output;
     EXPECT_NE(result.output.find(": 300 steps"), std::string::npos) << result.output;
   }
+}
+
+// Below min_world_size the survivors wait for the restarted rank instead of
+// training on alone; they never form a smaller world.
+TEST(FaultTolerance, BelowTheMinimumTheSurvivorsWaitForTheRankToComeBack) {
+  ScratchFolder out("ft-minimum");
+  auto argv = launch(2, 1);
+  for (std::string arg : {std::string(ELASTIC_FLOAT64_BINARY), std::string("200"), out.path(),
+                          std::string("10"), std::string("2")}) {
+    argv.push_back(arg);
+  }
+  auto result = run_process(argv, {{"LOCKSTEP_TEST_KILLS", "1:0:20:backward"}},
+                            std::chrono::seconds(120));
+  ASSERT_TRUE(result.ok()) << result.status() << "\n" << result.output;
+  EXPECT_EQ(count(result.output, "received the live state"), 1) << result.output;
+  EXPECT_EQ(count(result.output, " of 1 ("), 0) << "a world below the minimum formed:\n"
+                                                  << result.output;
+  expect_committed_steps_match(out, 2, reference(200));
+}
+
+// ... and raise, naming the minimum, when no rank comes back in time.
+TEST(FaultTolerance, BelowTheMinimumForLongerThanTheTimeoutIsAnError) {
+  ScratchFolder out("ft-minimum-timeout");
+  int port = free_port();
+  std::vector<Process> ranks;
+  for (int rank = 0; rank < 2; ++rank) {
+    ranks.emplace_back(
+        std::vector<std::string>{ELASTIC_FLOAT64_BINARY, "200", out.path(), "10", "2", "1500"},
+        Environment{{"RANK", std::to_string(rank)}, {"WORLD_SIZE", "2"},
+                    {"LOCAL_RANK", std::to_string(rank)}, {"LOCAL_WORLD_SIZE", "2"},
+                    {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(port)},
+                    {"OMP_NUM_THREADS", "1"}, {"LOCKSTEP_TEST_KILLS", "1:0:20:forward"}});
+  }
+  auto deadline = Clock::now() + std::chrono::seconds(60);
+  auto killed = ranks[1].wait_until(deadline);
+  EXPECT_EQ(killed.signal, SIGKILL) << killed.status();
+  auto survivor = ranks[0].wait_until(deadline);
+  EXPECT_FALSE(survivor.ok());
+  EXPECT_FALSE(survivor.timed_out);
+  EXPECT_NE(survivor.output.find("FaultToleranceError"), std::string::npos) << survivor.output;
+  EXPECT_NE(survivor.output.find("1 rank(s) can train, fewer than min_world_size 2, and no "
+                                 "other came back within FaultToleranceOptions::timeout (1.5 s)"),
+            std::string::npos)
+      << survivor.output;
 }
 
 TEST(StepSampler, EachSampleOncePerEpochWhateverTheWorldSize) {

@@ -74,11 +74,15 @@ void Liveness::listen() {
   // This rank's own key shows a newer incarnation once its rank was
   // restarted: this process is then stale, and says nothing more.
   auto& mine = heard[me_.replica];
-  if (!mine || mine->incarnation <= me_.incarnation) {
+  auto now = Clock::now();
+  // A beat every eighth of the timeout: each is a record in a file store.
+  if ((!mine || mine->incarnation <= me_.incarnation) && now >= next_beat_) {
     store_set(store, str("beat/", me_.replica), str(me_.incarnation, " ", ++sent_));
+    next_beat_ = now + timeout_ / 8;
+  }
+  if (mine && mine->incarnation <= me_.incarnation) {
     mine.reset();
   }
-  auto now = Clock::now();
   std::lock_guard<std::mutex> lock(mutex_);
   for (int replica = 0; replica < slots_; ++replica) {
     auto& beat = beats_[replica];

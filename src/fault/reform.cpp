@@ -53,6 +53,8 @@ void FaultTolerance::Impl::reform() {
       bring_up_to_date(next, decided);
       reducer->adopt_world(next);
       world = next;
+    } catch (const FaultToleranceError&) {
+      throw;
     } catch (const Error& e) {
       auto why = membership->abandon(target, detail::first_line(e.what()));
       say(detail::str("the world of epoch ", target, " did not form: ", why));

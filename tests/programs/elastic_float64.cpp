@@ -1,7 +1,7 @@
 // A float64 MLP trained under lockstep::FaultTolerance, for the test that
 // compares a run with failures, step by step, with a reference that applies
 // exactly the committed steps (tests/fault_tolerance_test.cpp):
-//   elastic_float64 STEPS OUT_DIR [PAUSE_MS]
+//   elastic_float64 STEPS OUT_DIR [PAUSE_MS [MIN_WORLD_SIZE [TIMEOUT_MS]]]
 // (PAUSE_MS after each step: a restarted rank takes about a second to
 // start, and a plan of kills waits for it to have rejoined.)
 // Each committed step appends "<step> <world size> <sum of parameters>" to
@@ -63,6 +63,8 @@ int main(int argc, char** argv) {
   int64_t steps = argc > 1 ? std::atoll(argv[1]) : 20;
   std::string out = argc > 2 ? argv[2] : ".";
   int pause_ms = argc > 3 ? std::atoi(argv[3]) : 0;
+  int min_world_size = argc > 4 ? std::atoi(argv[4]) : 1;
+  auto timeout = std::chrono::milliseconds(argc > 5 ? std::atoll(argv[5]) : 300000);
   int replica = std::atoi(std::getenv("RANK") ? std::getenv("RANK") : "0");
   int incarnation =
       std::atoi(std::getenv("LOCKSTEP_INCARNATION") ? std::getenv("LOCKSTEP_INCARNATION") : "0");
@@ -90,8 +92,10 @@ int main(int argc, char** argv) {
       model, world, lockstep::DdpOptions().bucket_cap_mb(0.001).first_bucket_cap_mb(0.001));
   torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   lockstep::FaultTolerance ft(ddp, optimizer,
-                              lockstep::FaultToleranceOptions().heartbeat_timeout(
-                                  std::chrono::milliseconds(1000)));
+                              lockstep::FaultToleranceOptions()
+                                  .heartbeat_timeout(std::chrono::milliseconds(1000))
+                                  .min_world_size(min_world_size)
+                                  .timeout(timeout));
   model->fc1->weight.register_hook([&](torch::Tensor grad) {
     maybe_die("backward");
     return grad;
