@@ -121,7 +121,7 @@ void remove_abandoned(const fs::path& base) {
 
 class HostJobStore : public JobStore {
  public:
-  explicit HostJobStore(const WorldConfig& config) : config_(config), size_(config.size) {
+  explicit HostJobStore(const WorldConfig& config) : config_(config) {
     auto base = private_base(config);
     folder_ = base / ("port-" + std::to_string(config.master_port));
     if (config.rank == 0 && !config.standby) {
@@ -159,7 +159,7 @@ class HostJobStore : public JobStore {
     }
     std::ofstream(folder_ / kClosedFile) << this_process().to_record() << "\n";
     try {
-      if (unscoped_->add(kClosedRanks, 1) == size_) {
+      if (unscoped_->add(kClosedRanks, 1) == config_.size) {
         fs::remove_all(folder_, ignored);
       }
     } catch (const std::exception&) {
@@ -215,7 +215,6 @@ class HostJobStore : public JobStore {
   }
 
   WorldConfig config_;
-  int size_;
   fs::path folder_;
   int port_fd_ = -1;
   c10::intrusive_ptr<c10d::Store> unscoped_;
