@@ -152,7 +152,7 @@ TEST(Chaos, TenKillsAtChosenMomentsCostOneStepEachAndTheJobFinishes) {
   ScratchFolder folder("chaos");
   unsigned seed = static_cast<unsigned>(std::random_device{}());
   Chaos chaos(folder, seed);
-  Process job(elastic_job(folder, 12), {});
+  Process job(elastic_job(folder, 12), {{"LOCKSTEP_TIMEOUT", "20"}});
   auto deadline = Clock::now() + std::chrono::seconds(240);
   // Ten kills: a recovery takes two.
   const std::vector<std::string> moments{"forward", "backward", "step", "checkpoint",
@@ -200,7 +200,7 @@ TEST(Chaos, StoppedRanksAreDroppedThenRejoin) {
   ScratchFolder folder("chaos-stop");
   unsigned seed = static_cast<unsigned>(std::random_device{}());
   Chaos chaos(folder, seed);
-  Process job(elastic_job(folder, 0), {});
+  Process job(elastic_job(folder, 0), {{"LOCKSTEP_TIMEOUT", "20"}});
   auto deadline = Clock::now() + std::chrono::seconds(240);
   std::vector<std::string> struck;
   for (const char* moment : {"backward", "forward", "step"}) {

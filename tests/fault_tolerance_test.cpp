@@ -291,6 +291,32 @@ TEST(FaultTolerance, BelowTheMinimumForLongerThanTheTimeoutIsAnError) {
       << survivor.output;
 }
 
+// The job's store outlives its rank 0 on one host: another job's rank 0,
+// which clears the folders of crashed jobs, leaves it alone while a rank of
+// the job still runs (it removed it once, and the survivors' store waited
+// for a file that would never come back).
+TEST(FaultTolerance, TheStoreOutlivesRankZeroWhileAnotherJobStarts) {
+  ScratchFolder out("ft-store");
+  int port = free_port();
+  std::vector<Process> ranks;
+  for (int rank = 0; rank < 2; ++rank) {
+    ranks.emplace_back(
+        std::vector<std::string>{ELASTIC_FLOAT64_BINARY, "150", out.path(), "10"},
+        Environment{{"RANK", std::to_string(rank)}, {"WORLD_SIZE", "2"},
+                    {"LOCAL_RANK", std::to_string(rank)}, {"LOCAL_WORLD_SIZE", "2"},
+                    {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(port)},
+                    {"OMP_NUM_THREADS", "1"}, {"LOCKSTEP_TEST_KILLS", "0:0:20:forward"}});
+  }
+  auto deadline = Clock::now() + std::chrono::seconds(60);
+  ranks[0].wait_until(deadline);
+  auto other = run_process({LOCKSTEP_RUN_BINARY, "--nproc-per-node", "2", "--", HELLO_BINARY},
+                           {}, std::chrono::seconds(60));
+  EXPECT_TRUE(other.ok()) << other.status() << "\n" << other.output;
+  auto survivor = ranks[1].wait_until(deadline);
+  EXPECT_TRUE(survivor.ok()) << survivor.status() << "\n" << survivor.output;
+  EXPECT_NE(survivor.output.find(": 150 steps"), std::string::npos) << survivor.output;
+}
+
 TEST(StepSampler, EachSampleOncePerEpochWhateverTheWorldSize) {
   StepSampler sampler(100, StepSamplerOptions().global_batch_size(12).seed(3));
   ASSERT_EQ(sampler.steps_per_epoch(), 8);

@@ -42,6 +42,10 @@ constexpr const char* kClosedFile = "closed";
 constexpr const char* kStoreFile = "store";
 constexpr const char* kLedgerFile = "ledger";
 constexpr const char* kClosedRanks = "closed_ranks";
+// One file per process that opened the job's store: a job whose rank 0
+// died goes on under fault tolerance, so its folder is abandoned only once
+// every one of them is gone.
+constexpr const char* kUsersFolder = "users";
 
 // lockstep-<uid> under $TMPDIR or /tmp, created 0700 and refused unless it
 // is ours and private: another user must not read or plant a job's keys.
@@ -106,14 +110,36 @@ int hold_port(const WorldConfig& config) {
   return fd;
 }
 
-// Folders of earlier jobs whose rank 0 is gone (a crash left them).
+// Whether a process that opened the job's store in `folder` still runs.
+bool has_live_user(const fs::path& folder) {
+  std::error_code ignored;
+  for (const auto& entry : fs::directory_iterator(folder / kUsersFolder, ignored)) {
+    if (!process_gone(ProcessIdentity::from_record(read_file(entry.path())))) {
+      return true;
+    }
+  }
+  return false;
+}
+
+void add_user(const fs::path& folder) {
+  auto me = this_process();
+  std::error_code ignored;
+  fs::create_directory(folder / kUsersFolder, ignored);
+  std::ofstream(folder / kUsersFolder / (std::to_string(me.pid) + "-" +
+                                         std::to_string(me.start_time)))
+      << me.to_record() << "\n";
+}
+
+// Folders of earlier jobs whose rank 0 is gone (a crash left them), and no
+// other process of theirs runs.
 void remove_abandoned(const fs::path& base) {
   std::error_code ignored;
   for (const auto& entry : fs::directory_iterator(base, ignored)) {
     std::string owner = read_file(entry.path() / kOwnerFile);
     if (entry.is_directory(ignored) && entry.path().filename().string().rfind("port-", 0) == 0 &&
         (owner.empty() ? fs::exists(entry.path() / kClosedFile, ignored)
-                       : process_gone(ProcessIdentity::from_record(owner)))) {
+                       : process_gone(ProcessIdentity::from_record(owner))) &&
+        !has_live_user(entry.path())) {
       fs::remove_all(entry.path(), ignored);
     }
   }
@@ -129,6 +155,7 @@ class HostJobStore : public JobStore {
       create(base, config);
     } else {
       await(config);
+      add_user(folder_);
     }
     auto file_store = c10::make_intrusive<c10d::FileStore>((folder_ / kStoreFile).string(), -1);
     file_store->setTimeout(config.timeout);
@@ -171,12 +198,18 @@ class HostJobStore : public JobStore {
   void create(const fs::path& base, const WorldConfig& config) {
     std::error_code ignored;
     remove_abandoned(base);
-    // Holding the port, this rank 0 is the only live one of this port.
+    // Holding the port, this rank 0 is the only live one of this port; but a
+    // fault-tolerant job whose rank 0 died goes on in its folder.
+    LOCKSTEP_ENFORCE(!fs::exists(folder_, ignored) || !has_live_user(folder_), RendezvousError,
+                     "rank 0 cannot host the job's store at MASTER_PORT=", config.master_port,
+                     ": a job that lost its rank 0 still runs there (its other ranks go on, "
+                     "under lockstep::FaultTolerance). Choose another MASTER_PORT.");
     fs::remove_all(folder_, ignored);
     fs::path draft = folder_.string() + ".draft";
     fs::remove_all(draft, ignored);
     fs::create_directory(draft, ignored);
     std::ofstream(draft / kOwnerFile) << this_process().to_record() << "\n";
+    add_user(draft);
     std::ofstream(draft / kJobFile) << config.job_id << "\n";
     create_mapped_board((draft / kLedgerFile).string(), config.size);
     std::error_code renamed;

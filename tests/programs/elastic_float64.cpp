@@ -2,8 +2,9 @@
 // compares a run with failures, step by step, with a reference that applies
 // exactly the committed steps (tests/fault_tolerance_test.cpp):
 //   elastic_float64 STEPS OUT_DIR [PAUSE_MS [MIN_WORLD_SIZE [TIMEOUT_MS]]]
-// (PAUSE_MS after each step: a restarted rank takes about a second to
-// start, and a plan of kills waits for it to have rejoined.)
+// (PAUSE_MS after each step, ten times that while a rank is missing: a
+// restarted rank takes a second or more to start, and a plan of kills waits
+// for it to have rejoined.)
 // Each committed step appends "<step> <world size> <sum of parameters>" to
 // OUT_DIR/rank-R.log (R: the launcher rank); at the end the world's rank 0
 // writes OUT_DIR/parameters.bin; each process writes its pid to
@@ -132,7 +133,9 @@ int main(int argc, char** argv) {
     std::snprintf(line, sizeof(line), "%lld %d %.17g\n", static_cast<long long>(ft.step()),
                   ft.world().size(), sum);
     log << line << std::flush;
-    std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
+    // Slower while a rank is missing, so that its restart (a second or
+    // more on a loaded machine) rejoins before the run ends.
+    std::this_thread::sleep_for(std::chrono::milliseconds(whole ? pause_ms : 10 * pause_ms));
   }
   ddp.check_replicas();
   if (ft.world().rank() == 0) {
