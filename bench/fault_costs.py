@@ -63,13 +63,12 @@ def one_run(argv, kill):
         killed_pid if kill else None
 
 
-def costs(name, argv):
+def costs(name):
     with tempfile.TemporaryDirectory() as folder:
-        argv = [a if a != "FOLDER" else folder for a in argv]
-        _, clean_seconds, _, _, _ = one_run(argv, kill=False)
+        _, clean_seconds, _, _, _ = one_run(commands(folder)[name], kill=False)
     with tempfile.TemporaryDirectory() as folder:
-        argv = commands(folder)[name]
-        text, seconds, killed_at, step_at_kill, killed_pid = one_run(argv, kill=True)
+        text, seconds, killed_at, step_at_kill, killed_pid = one_run(commands(folder)[name],
+                                                                      kill=True)
     seen = [(int(r), int(p), int(s), float(w), int(n)) for r, p, s, w, n in LINE.findall(text)]
     steps_seen = [(r, s, w, n) for r, p, s, w, n in seen]
     rank0 = [(s, w, n) for r, s, w, n in steps_seen if r == 0]
@@ -100,9 +99,9 @@ def costs(name, argv):
 
 def main():
     rows = []
-    for name in commands("FOLDER"):
+    for name in commands(""):
         print(f"bench: {name}", file=sys.stderr)
-        rows.append(costs(name, commands("FOLDER")[name]))
+        rows.append(costs(name))
     with open(output, "w") as out:
         out.write(
             "# What a failure costs\n\n"

@@ -19,6 +19,7 @@
 
 #include <gtest/gtest.h>
 
+#include "support/job_output.h"
 #include "support/process.h"
 #include "support/scratch_folder.h"
 
@@ -27,11 +28,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr int kRanks = 3;
-
-std::string data_dir() {
-  const char* root = std::getenv("LOCKSTEP_DATA_DIR");
-  return (root ? std::string(root) : std::string(LOCKSTEP_SOURCE_DIR) + "/data") + "/mnist";
-}
 
 struct RankPhase {
   std::string phase;
@@ -57,12 +53,8 @@ bool alive(int pid) {
   return state != std::string::npos && line[state + 2] != 'Z';
 }
 
-int count(const std::string& text, const std::string& part) {
-  int found = 0;
-  for (size_t at = text.find(part); at != std::string::npos; at = text.find(part, at + 1)) {
-    ++found;
-  }
-  return found;
+bool have_mnist() {
+  return ::access((mnist_dir() + "/train-images-idx3-ubyte").c_str(), R_OK) == 0;
 }
 
 class Chaos {
@@ -130,15 +122,15 @@ class Chaos {
 std::vector<std::string> elastic_job(const ScratchFolder& folder, int restarts) {
   return {LOCKSTEP_RUN_BINARY, "--nproc-per-node", std::to_string(kRanks), "--restart", "rank",
           "--max-restarts", std::to_string(restarts), "--", MNIST_ELASTIC_BINARY, "--data",
-          data_dir(), "--steps", "400", "--phase-dir", folder / "phases", "--checkpoint",
+          mnist_dir(), "--steps", "400", "--phase-dir", folder / "phases", "--checkpoint",
           folder / "checkpoint.pt", "--checkpoint-every", "10", "--heartbeat-ms", "1000",
           "--log-every", "100"};
 }
 
 void expect_finished_well(const ProcessExit& result) {
   ASSERT_TRUE(result.ok()) << result.status() << "\n" << result.output;
-  EXPECT_EQ(count(result.output, "400 committed steps"), kRanks) << result.output;
-  EXPECT_EQ(count(result.output, "replicas identical"), kRanks) << result.output;
+  EXPECT_EQ(occurrences(result.output, "400 committed steps"), kRanks) << result.output;
+  EXPECT_EQ(occurrences(result.output, "replicas identical"), kRanks) << result.output;
   std::smatch accuracy;
   ASSERT_TRUE(std::regex_search(result.output, accuracy, std::regex("test accuracy ([0-9.]+)%")))
       << result.output;
@@ -146,8 +138,8 @@ void expect_finished_well(const ProcessExit& result) {
 }
 
 TEST(Chaos, TenKillsAtChosenMomentsCostOneStepEachAndTheJobFinishes) {
-  if (::access((data_dir() + "/train-images-idx3-ubyte").c_str(), R_OK) != 0) {
-    GTEST_SKIP() << "no MNIST at " << data_dir() << " (scripts/setup fetches it)";
+  if (!have_mnist()) {
+    GTEST_SKIP() << "no MNIST at " << mnist_dir() << " (scripts/setup fetches it)";
   }
   ScratchFolder folder("chaos");
   unsigned seed = static_cast<unsigned>(std::random_device{}());
@@ -181,21 +173,21 @@ TEST(Chaos, TenKillsAtChosenMomentsCostOneStepEachAndTheJobFinishes) {
   expect_finished_well(result);
   // Checkpoints were written beside (mnist_elastic has no way to read one).
   EXPECT_EQ(::access((folder / "checkpoint.pt").c_str(), R_OK), 0);
-  EXPECT_EQ(count(result.output, "killed by signal 9"), 10) << story << "\n" << result.output;
-  EXPECT_EQ(count(result.output, "restarting it alone"), 10) << story << "\n" << result.output;
+  EXPECT_EQ(occurrences(result.output, "killed by signal 9"), 10) << story << "\n" << result.output;
+  EXPECT_EQ(occurrences(result.output, "restarting it alone"), 10) << story << "\n" << result.output;
   // Each failure is named by the survivors, and every rank that rejoined
   // says so (a restart killed during its recovery never got there).
-  EXPECT_GE(count(result.output, "is dropped on every rank") +
-                count(result.output, "did not form"),
+  EXPECT_GE(occurrences(result.output, "is dropped on every rank") +
+                occurrences(result.output, "did not form"),
             1)
       << result.output;
-  EXPECT_GE(count(result.output, "received the live state"), 8) << story << "\n"
+  EXPECT_GE(occurrences(result.output, "received the live state"), 8) << story << "\n"
                                                                  << result.output;
 }
 
 TEST(Chaos, StoppedRanksAreDroppedThenRejoin) {
-  if (::access((data_dir() + "/train-images-idx3-ubyte").c_str(), R_OK) != 0) {
-    GTEST_SKIP() << "no MNIST at " << data_dir() << " (scripts/setup fetches it)";
+  if (!have_mnist()) {
+    GTEST_SKIP() << "no MNIST at " << mnist_dir() << " (scripts/setup fetches it)";
   }
   ScratchFolder folder("chaos-stop");
   unsigned seed = static_cast<unsigned>(std::random_device{}());
@@ -218,9 +210,9 @@ TEST(Chaos, StoppedRanksAreDroppedThenRejoin) {
     std::cout << "  " << line << std::endl;
   }
   expect_finished_well(result);
-  EXPECT_EQ(count(result.output, "restarting it alone"), 0) << result.output;
-  EXPECT_GE(count(result.output, "sent no heartbeat for"), 3) << result.output;
-  EXPECT_GE(count(result.output, "received the live state"), 3) << result.output;
+  EXPECT_EQ(occurrences(result.output, "restarting it alone"), 0) << result.output;
+  EXPECT_GE(occurrences(result.output, "sent no heartbeat for"), 3) << result.output;
+  EXPECT_GE(occurrences(result.output, "received the live state"), 3) << result.output;
 }
 
 } // namespace

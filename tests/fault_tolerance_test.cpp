@@ -16,6 +16,7 @@
 #include <lockstep/lockstep.h>
 
 #include "support/expect_error.h"
+#include "support/job_output.h"
 #include "support/multiprocess.h"
 #include "support/models.h"
 #include "support/process.h"
@@ -27,12 +28,32 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-int count(const std::string& text, const std::string& part) {
-  int found = 0;
-  for (size_t at = text.find(part); at != std::string::npos; at = text.find(part, at + 1)) {
-    ++found;
+// Until `path` holds `lines` lines (a rank's committed steps), at most
+// until `deadline`.
+void wait_for_lines(const std::string& path, int lines, Clock::time_point deadline) {
+  while (Clock::now() < deadline) {
+    std::ifstream log(path);
+    std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+    if (occurrences(text, "\n") >= lines) {
+      return;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  return found;
+}
+
+// A rank of a job of `size` on this host started by hand (no launcher),
+// running elastic_float64 with `args`; `extra` adds to its environment.
+Process elastic_rank(int rank, int size, int port, const std::vector<std::string>& args,
+                     Environment extra = {}) {
+  std::vector<std::string> argv{ELASTIC_FLOAT64_BINARY};
+  argv.insert(argv.end(), args.begin(), args.end());
+  Environment environment{{"RANK", std::to_string(rank)}, {"WORLD_SIZE", std::to_string(size)},
+                          {"LOCAL_RANK", std::to_string(rank)},
+                          {"LOCAL_WORLD_SIZE", std::to_string(size)},
+                          {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(port)},
+                          {"OMP_NUM_THREADS", "1"}};
+  environment.insert(extra.begin(), extra.end());
+  return Process(argv, environment);
 }
 
 // What tests/programs/elastic_float64.cpp computes, in one process on the
@@ -133,12 +154,12 @@ TEST_P(FaultToleranceKills, EachFailureCostsOneStepAndTheRunEqualsTheCommittedSt
   ASSERT_TRUE(result.ok()) << result.status() << "\n" << result.output;
   // Every kill was a restart of that rank alone, and every restarted rank
   // received the live state from a peer.
-  EXPECT_EQ(count(result.output, "killed by signal 9"), plan.killed) << result.output;
-  EXPECT_EQ(count(result.output, "restarting it alone"), plan.killed) << result.output;
-  EXPECT_EQ(count(result.output, "received the live state"), plan.killed) << result.output;
-  EXPECT_EQ(count(result.output, "the job is ending"), 0) << result.output;
+  EXPECT_EQ(occurrences(result.output, "killed by signal 9"), plan.killed) << result.output;
+  EXPECT_EQ(occurrences(result.output, "restarting it alone"), plan.killed) << result.output;
+  EXPECT_EQ(occurrences(result.output, "received the live state"), plan.killed) << result.output;
+  EXPECT_EQ(occurrences(result.output, "the job is ending"), 0) << result.output;
   // Replicas checked bit for bit at the end, on every rank.
-  EXPECT_EQ(count(result.output, ": " + std::to_string(kSteps) + " steps"), plan.ranks)
+  EXPECT_EQ(occurrences(result.output, ": " + std::to_string(kSteps) + " steps"), plan.ranks)
       << result.output;
   expect_committed_steps_match(out, plan.ranks, reference(kSteps));
 }
@@ -173,15 +194,7 @@ TEST(FaultTolerance, AStoppedRankIsDroppedAfterTheHeartbeatTimeoutThenRejoins) {
   }
   Process job(argv, {});
   auto deadline = Clock::now() + std::chrono::seconds(120);
-  // Once rank 2 has committed a few steps.
-  while (Clock::now() < deadline) {
-    std::ifstream log(out / "rank-2.log");
-    std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
-    if (count(text, "\n") >= 20) {
-      break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
+  wait_for_lines(out / "rank-2.log", 20, deadline); // rank 2 committed a few steps
   int pid = read_pid(out / "pid-2");
   ASSERT_GT(pid, 0);
   ASSERT_EQ(::kill(pid, SIGSTOP), 0);
@@ -194,8 +207,8 @@ TEST(FaultTolerance, AStoppedRankIsDroppedAfterTheHeartbeatTimeoutThenRejoins) {
   EXPECT_NE(result.output.find("[2] lockstep: rank 2: received the live state"),
             std::string::npos)
       << result.output;
-  EXPECT_EQ(count(result.output, "restarting it alone"), 0) << result.output;
-  EXPECT_EQ(count(result.output, ": 300 steps"), 3) << result.output;
+  EXPECT_EQ(occurrences(result.output, "restarting it alone"), 0) << result.output;
+  EXPECT_EQ(occurrences(result.output, ": 300 steps"), 3) << result.output;
   expect_committed_steps_match(out, 3, reference(300));
 }
 
@@ -207,25 +220,15 @@ TEST(FaultTolerance, AStaleIncarnationIsRefusedByName) {
   ScratchFolder later("ft-stale-later");
   int port = free_port();
   auto rank_process = [&](int rank, int incarnation, const std::string& folder) {
-    return Process({ELASTIC_FLOAT64_BINARY, "300", folder, "10"},
-                   {{"RANK", std::to_string(rank)}, {"WORLD_SIZE", "3"},
-                    {"LOCAL_RANK", std::to_string(rank)}, {"LOCAL_WORLD_SIZE", "3"},
-                    {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(port)},
-                    {"OMP_NUM_THREADS", "1"}, {"LOCKSTEP_INCARNATION", std::to_string(incarnation)}});
+    return elastic_rank(rank, 3, port, {"300", folder, "10"},
+                        {{"LOCKSTEP_INCARNATION", std::to_string(incarnation)}});
   };
   std::vector<Process> ranks;
   for (int rank = 0; rank < 3; ++rank) {
     ranks.push_back(rank_process(rank, 0, out.path()));
   }
   auto deadline = Clock::now() + std::chrono::seconds(120);
-  while (Clock::now() < deadline) {
-    std::ifstream log(out / "rank-2.log");
-    std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
-    if (count(text, "\n") >= 20) {
-      break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
+  wait_for_lines(out / "rank-2.log", 20, deadline);
   ASSERT_EQ(::kill(ranks[2].pid(), SIGSTOP), 0);
   std::this_thread::sleep_for(std::chrono::milliseconds(1500));
   Process restarted = rank_process(2, 1, later.path());
@@ -259,8 +262,8 @@ TEST(FaultTolerance, BelowTheMinimumTheSurvivorsWaitForTheRankToComeBack) {
   auto result = run_process(argv, {{"LOCKSTEP_TEST_KILLS", "1:0:20:backward"}},
                             std::chrono::seconds(120));
   ASSERT_TRUE(result.ok()) << result.status() << "\n" << result.output;
-  EXPECT_EQ(count(result.output, "received the live state"), 1) << result.output;
-  EXPECT_EQ(count(result.output, " of 1 ("), 0) << "a world below the minimum formed:\n"
+  EXPECT_EQ(occurrences(result.output, "received the live state"), 1) << result.output;
+  EXPECT_EQ(occurrences(result.output, " of 1 ("), 0) << "a world below the minimum formed:\n"
                                                   << result.output;
   expect_committed_steps_match(out, 2, reference(200));
 }
@@ -271,12 +274,8 @@ TEST(FaultTolerance, BelowTheMinimumForLongerThanTheTimeoutIsAnError) {
   int port = free_port();
   std::vector<Process> ranks;
   for (int rank = 0; rank < 2; ++rank) {
-    ranks.emplace_back(
-        std::vector<std::string>{ELASTIC_FLOAT64_BINARY, "200", out.path(), "10", "2", "1500"},
-        Environment{{"RANK", std::to_string(rank)}, {"WORLD_SIZE", "2"},
-                    {"LOCAL_RANK", std::to_string(rank)}, {"LOCAL_WORLD_SIZE", "2"},
-                    {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(port)},
-                    {"OMP_NUM_THREADS", "1"}, {"LOCKSTEP_TEST_KILLS", "1:0:20:forward"}});
+    ranks.push_back(elastic_rank(rank, 2, port, {"200", out.path(), "10", "2", "1500"},
+                                 {{"LOCKSTEP_TEST_KILLS", "1:0:20:forward"}}));
   }
   auto deadline = Clock::now() + std::chrono::seconds(60);
   auto killed = ranks[1].wait_until(deadline);
@@ -300,12 +299,8 @@ TEST(FaultTolerance, TheStoreOutlivesRankZeroWhileAnotherJobStarts) {
   int port = free_port();
   std::vector<Process> ranks;
   for (int rank = 0; rank < 2; ++rank) {
-    ranks.emplace_back(
-        std::vector<std::string>{ELASTIC_FLOAT64_BINARY, "150", out.path(), "10"},
-        Environment{{"RANK", std::to_string(rank)}, {"WORLD_SIZE", "2"},
-                    {"LOCAL_RANK", std::to_string(rank)}, {"LOCAL_WORLD_SIZE", "2"},
-                    {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(port)},
-                    {"OMP_NUM_THREADS", "1"}, {"LOCKSTEP_TEST_KILLS", "0:0:20:forward"}});
+    ranks.push_back(elastic_rank(rank, 2, port, {"150", out.path(), "10"},
+                                 {{"LOCKSTEP_TEST_KILLS", "0:0:20:forward"}}));
   }
   auto deadline = Clock::now() + std::chrono::seconds(60);
   ranks[0].wait_until(deadline);

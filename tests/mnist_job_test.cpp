@@ -10,6 +10,7 @@
 
 #include <gtest/gtest.h>
 
+#include "support/job_output.h"
 #include "support/multiprocess.h"
 #include "support/scratch_folder.h"
 #include "support/process.h"
@@ -17,13 +18,8 @@
 namespace lockstep::testing {
 namespace {
 
-std::string data_dir() {
-  const char* root = std::getenv("LOCKSTEP_DATA_DIR");
-  return (root ? std::string(root) : std::string(LOCKSTEP_SOURCE_DIR) + "/data") + "/mnist";
-}
-
 std::vector<std::string> job(std::vector<std::string> flags) {
-  std::vector<std::string> args{MNIST_TRAIN_BINARY, "--data", data_dir(), "--max-steps", "30"};
+  std::vector<std::string> args{MNIST_TRAIN_BINARY, "--data", mnist_dir(), "--max-steps", "30"};
   args.insert(args.end(), flags.begin(), flags.end());
   return args;
 }

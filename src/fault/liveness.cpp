@@ -58,6 +58,14 @@ void Liveness::run() {
 }
 
 void Liveness::listen() {
+  // Heartbeats go out and are read every eighth of the timeout (each is a
+  // record in a file store, a round trip to a TCP one); a process gone on
+  // this host is seen every look, without the store.
+  auto now = Clock::now();
+  if (now < next_listen_) {
+    return;
+  }
+  next_listen_ = now + timeout_ / 8;
   // The store is read outside the lock: failed() must not wait on it.
   auto& store = membership_->store();
   std::vector<std::optional<Beat>> heard(slots_);
@@ -74,13 +82,8 @@ void Liveness::listen() {
   // This rank's own key shows a newer incarnation once its rank was
   // restarted: this process is then stale, and says nothing more.
   auto& mine = heard[me_.replica];
-  auto now = Clock::now();
-  // A beat every eighth of the timeout: each is a record in a file store.
-  if ((!mine || mine->incarnation <= me_.incarnation) && now >= next_beat_) {
+  if (!mine || mine->incarnation <= me_.incarnation) {
     store_set(store, str("beat/", me_.replica), str(me_.incarnation, " ", ++sent_));
-    next_beat_ = now + timeout_ / 8;
-  }
-  if (mine && mine->incarnation <= me_.incarnation) {
     mine.reset();
   }
   std::lock_guard<std::mutex> lock(mutex_);

@@ -1,8 +1,8 @@
 #pragma once
 
 // Which processes of a fault-tolerant job still take part. Each sends a
-// heartbeat through the store (every eighth of the heartbeat timeout); a
-// thread of each watches the others' (every 25 ms): a
+// heartbeat through the store, and a thread of each reads the others'
+// (both every eighth of the heartbeat timeout) and watches them: a
 // member whose process is gone (seen at once on its own host), whose
 // heartbeat stopped for the heartbeat timeout (stopped, hung, cut off), or
 // whose rank beats with a newer incarnation (restarted) has failed. When a
@@ -69,7 +69,7 @@ class Liveness {
   };
   std::vector<Beat> beats_;
   int64_t sent_ = 0; // this rank's heartbeats (the thread's alone)
-  Clock::time_point next_beat_{};
+  Clock::time_point next_listen_{};
   int64_t watched_epoch_ = -1;
   std::vector<Member> watched_;
   std::optional<World> world_;

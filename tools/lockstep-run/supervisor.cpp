@@ -203,6 +203,22 @@ void carry(Rank& rank, const char* data, size_t size, bool flush) {
   rank.partial.erase(0, std::min(start, rank.partial.size()));
 }
 
+// Carries what a rank that ended left in its pipe, and its last line.
+void drain(Rank& rank) {
+  if (rank.output < 0) {
+    return;
+  }
+  char buffer[65536];
+  while (true) {
+    ssize_t got = ::read(rank.output, buffer, sizeof(buffer));
+    if (got <= 0) {
+      break;
+    }
+    carry(rank, buffer, static_cast<size_t>(got), false);
+  }
+  carry(rank, "", 0, true);
+}
+
 void signal_all(std::vector<Rank>& ranks, int signo) {
   for (auto& rank : ranks) {
     if (rank.running) {
@@ -317,36 +333,22 @@ AttemptResult run_attempt(const RunOptions& options, int attempt) {
       if (options.restart_rank && !failed(rank.status)) {
         finishing = true;
       }
-      if (failed(rank.status) && !stopping && options.restart_rank && finishing) {
-        say("rank " + std::to_string(rank.global) + " " + describe_exit(rank.status) +
-            " after another rank finished; not restarted, the job is ending");
-        continue;
-      }
-      if (failed(rank.status) && !stopping && options.restart_rank &&
+      if (failed(rank.status) && !stopping && options.restart_rank && !finishing &&
           restarts < options.max_restarts) {
         ++restarts;
         ++rank.incarnation;
         say("rank " + std::to_string(rank.global) + " " + describe_exit(rank.status) +
             "; restarting it alone (restart " + std::to_string(restarts) + " of " +
             std::to_string(options.max_restarts) + "), the others go on");
-        if (rank.output >= 0) {
-          while (true) {
-            ssize_t got = ::read(rank.output, buffer, sizeof(buffer));
-            if (got <= 0) {
-              break;
-            }
-            carry(rank, buffer, static_cast<size_t>(got), false);
-          }
-          carry(rank, "", 0, true);
-        }
+        drain(rank);
         spawn(rank, options, static_cast<int>(&rank - ranks.data()), attempt, port);
         ++running;
         continue;
       }
       if (failed(rank.status) && !stopping && options.restart_rank && !last_failure) {
-        // No restart left; but the job may be ending (a restarted rank
-        // found nothing to rejoin): a rank that finishes within the grace
-        // period says so.
+        // No restart left, or the job is ending (a restarted rank found
+        // nothing to rejoin): a rank that finishes within the grace period
+        // says it is.
         last_failure = "rank " + std::to_string(rank.global) + " " + describe_exit(rank.status);
         judge_at = Clock::now() + grace;
         continue;
@@ -357,7 +359,7 @@ AttemptResult run_attempt(const RunOptions& options, int attempt) {
       }
     }
     if (last_failure && finishing) {
-      say(*last_failure + " as the job ended; not restarted");
+      say(*last_failure + "; not restarted, the job is ending");
       last_failure.reset();
     }
     if (last_failure && !stopping && Clock::now() >= judge_at) {
@@ -377,15 +379,8 @@ AttemptResult run_attempt(const RunOptions& options, int attempt) {
     result = {Outcome::RankFailed, 0};
   }
   for (auto& rank : ranks) {
+    drain(rank);
     if (rank.output >= 0) {
-      while (true) {
-        ssize_t got = ::read(rank.output, buffer, sizeof(buffer));
-        if (got <= 0) {
-          break;
-        }
-        carry(rank, buffer, static_cast<size_t>(got), false);
-      }
-      carry(rank, "", 0, true);
       ::close(rank.output);
     }
     if (rank.log >= 0) {

@@ -1,0 +1,26 @@
+#pragma once
+
+// For the tests that run whole jobs (the MNIST examples, the fault-tolerant
+// programs): where the MNIST data is, and what their output says.
+
+#include <cstdlib>
+#include <string>
+
+namespace lockstep::testing {
+
+/// The MNIST IDX files: $LOCKSTEP_DATA_DIR/mnist, else the checkout's.
+inline std::string mnist_dir() {
+  const char* root = std::getenv("LOCKSTEP_DATA_DIR");
+  return (root ? std::string(root) : std::string(LOCKSTEP_SOURCE_DIR) + "/data") + "/mnist";
+}
+
+/// How many times `part` occurs in `text` (overlapping ones too).
+inline int occurrences(const std::string& text, const std::string& part) {
+  int found = 0;
+  for (size_t at = text.find(part); at != std::string::npos; at = text.find(part, at + 1)) {
+    ++found;
+  }
+  return found;
+}
+
+} // namespace lockstep::testing
