@@ -25,7 +25,8 @@
 // names the network device that leaves this rank's host: rank 0 prints
 // "wire,MODEL,MODE,BYTES" to stderr, what the device's own counter says
 // the host sent per timed iteration (the largest over hosts), not what
-// lockstep believes it sent.
+// lockstep believes it sent. BENCH_DEVICE=cuda trains on cuda:LOCAL_RANK
+// (NCCL), each iteration timed up to the end of its device work.
 
 #include <sys/resource.h>
 
@@ -38,6 +39,7 @@
 #include <sstream>
 #include <string>
 
+#include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include <lockstep/lockstep.h>
@@ -94,6 +96,13 @@ void run(World& world, ModelType model, const std::string& model_name,
          const std::string& mode, std::vector<int64_t> input_shape,
          int iterations, int warmup) {
   lockstep::bench::deterministic_init(*model);
+  // BENCH_DEVICE=cuda: one GPU per rank, the batch on it, and each
+  // iteration's clock stopped once the device has finished its work.
+  bool cuda = std::getenv("BENCH_DEVICE") && std::string(std::getenv("BENCH_DEVICE")) == "cuda";
+  torch::Device device = cuda ? torch::Device(torch::kCUDA,
+                                              static_cast<c10::DeviceIndex>(world.local_rank()))
+                              : torch::Device(torch::kCPU);
+  model->to(device);
   std::optional<DDP<ModelType>> ddp;
   bool alternate = mode == "detail_ab";
   bool joined = mode == "lockstep_join";
@@ -149,8 +158,11 @@ void run(World& world, ModelType model, const std::string& model_name,
   if (in_backward) {
     ddp->step_in_backward(*optimizer);
   }
-  auto [x, y] = input_shape.empty() ? lockstep::bench::deterministic_ids()
-                                    : lockstep::bench::deterministic_batch(input_shape);
+  auto [x_host, y_host] = input_shape.empty()
+                             ? lockstep::bench::deterministic_ids()
+                             : lockstep::bench::deterministic_batch(input_shape);
+  auto x = x_host.to(device);
+  auto y = y_host.to(device);
   std::vector<double> times;
   std::vector<double> detail_times;
   // What a join guard costs when every rank has the same batches: one
@@ -181,6 +193,9 @@ void run(World& world, ModelType model, const std::string& model_name,
     }
     if (!in_backward) {
       optimizer->step();
+    }
+    if (cuda) {
+      torch::cuda::synchronize(device.index());
     }
     if (i >= warmup) {
       (detail ? detail_times : times)

@@ -8,6 +8,8 @@ BENCH_OPTIMIZER=adam: Adam instead of SGD, as in ddp_bench.cpp; BENCH_TORCH_ZERO
 Adam inside PyTorch's ZeroRedundancyOptimizer.
 BENCH_NET_DEVICE: as in ddp_bench.cpp, rank 0 prints "wire,MODEL,MODE,BYTES"
 to stderr, the bytes per timed iteration that device's counter saw leave.
+BENCH_DEVICE=cuda: on cuda:LOCAL_RANK over NCCL, each iteration timed up to
+the end of its device work, as in ddp_bench.cpp.
 """
 import contextlib
 import os
@@ -108,7 +110,11 @@ def main():
     iterations = int(sys.argv[2]) if len(sys.argv) > 2 else 100
     warmup = int(sys.argv[3]) if len(sys.argv) > 3 else 10
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    cuda = os.environ.get("BENCH_DEVICE") == "cuda"
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
     if name.startswith("mlp"):
         model, shape = Mlp(name == "mlp_const"), (1024,)
     elif name.startswith("emb"):
@@ -116,7 +122,8 @@ def main():
     else:
         model, shape = Cnn(name == "cnn_bn"), (1, 28, 28)
     deterministic_init(model)
-    ddp = nn.parallel.DistributedDataParallel(model)
+    model.to(device)
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
     # BENCH_TORCH_HOOK=fp16|bf16|powersgd:R: PyTorch's hook of that name.
     hook = os.environ.get("BENCH_TORCH_HOOK", "")
     if hook == "fp16":
@@ -138,6 +145,7 @@ def main():
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
     x, y = deterministic_ids() if shape is None else deterministic_batch(shape)
+    x, y = x.to(device), y.to(device)
     times = []
     # BENCH_TORCH_JOIN=1: the loop inside ddp.join(), every rank with the same batches.
     joined = os.environ.get("BENCH_TORCH_JOIN") == "1"
@@ -151,11 +159,13 @@ def main():
             optimizer.zero_grad()
             F.cross_entropy(ddp(x), y).backward()
             optimizer.step()
+            if cuda:
+                torch.cuda.synchronize(device)
             if i >= warmup:
                 times.append((time.perf_counter() - start) * 1e3)
-    wire = torch.tensor([(wire_bytes() - wire_at_start) / iterations], dtype=torch.float64)
-    median = torch.tensor([statistics.median(times)], dtype=torch.float64)
-    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64)
+    wire = torch.tensor([(wire_bytes() - wire_at_start) / iterations], dtype=torch.float64, device=device)
+    median = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64, device=device)
     dist.all_reduce(median, op=dist.ReduceOp.MAX)
     dist.all_reduce(rss, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
