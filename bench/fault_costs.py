@@ -97,7 +97,16 @@ def costs(name):
             "ok": "step %d" % steps in text}
 
 
+KEPT_BELOW = "<!-- written by other benches: kept -->"
+
+
 def main():
+    # What other benches wrote below this one's table stays (run-ft-scale).
+    kept = ""
+    if os.path.exists(output):
+        text = open(output).read()
+        at = text.find(KEPT_BELOW)
+        kept = "\n" + text[at:] if at >= 0 else ""
     rows = []
     for name in commands(""):
         print(f"bench: {name}", file=sys.stderr)
@@ -122,6 +131,7 @@ def main():
                       f"{row['stall']:.2f} | {row['all_again']:.2f} | {row['past']:.2f} | "
                       f"{row['seconds_lost']:.1f} "
                       f"| {'yes' if row['ok'] else 'no'} |\n")
+        out.write(kept)
     print(open(output).read())
 
 

@@ -21,12 +21,12 @@
 #include <gtest/gtest.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/torch.h>
 
 #include <lockstep/lockstep.h>
 
 #include "compat/c10d.h"
+#include "store/client.h"
 #include "support/expect_error.h"
 #include "support/models.h"
 #include "support/multiprocess.h"
@@ -212,37 +212,44 @@ TEST(JobIsolation, AnotherJobOnTheSamePortIsRefusedOnOneHostToo) {
       "file");
 }
 
-TEST(JobIsolation, AProofFromAnEarlierAttemptIsRefused) {
-  // torchrun's store outlives a restart, and with it the job's nonce:
-  // whoever can write to it could copy a rank's proven record from attempt
-  // 0 into attempt 1's keys. The proof names the attempt, so it fails.
-  auto store = c10::make_intrusive<c10d::HashStore>();
-  auto config_for = [](int rank, int attempt) {
-    detail::WorldConfig config;
-    config.rank = rank;
-    config.size = 2;
-    config.job_id = "job";
-    config.secret = "s3cret";
-    config.key_prefix = "lockstep/job/" + std::to_string(attempt);
-    config.timeout = std::chrono::seconds(2);
-    config.master_addr = "127.0.0.1";
-    config.master_port = 29999;
-    return config;
-  };
-  auto scoped = [&](int attempt) {
-    return c10::make_intrusive<c10d::PrefixStore>(config_for(0, attempt).key_prefix, store);
-  };
+// A proof names the keys of the world it was made for: whoever can write
+// to the store cannot copy a rank's proven record into another world's
+// rendezvous, whether another attempt's (torchrun's store outlives a
+// restart, and with it the job's nonce) or another epoch's of a
+// fault-tolerant job (whose worlds meet in one store under keys of their
+// own).
+TEST(JobIsolation, AProofFromAnotherWorldIsRefused) {
   const std::string nonce = "the-job-nonce";
-  std::thread rank_one([&] { detail::join(scoped(0), config_for(1, 0), nonce); });
-  detail::join(scoped(0), config_for(0, 0), nonce);
-  rank_one.join();
-  for (const char* key : {"rank/1", "proof/1"}) {
-    store->set(std::string("lockstep/job/1/") + key,
-               store->get(std::string("lockstep/job/0/") + key));
+  for (auto [earlier, later] : {std::pair<std::string, std::string>{"lockstep/job/0",
+                                                                     "lockstep/job/1"},
+                                {"lockstep/job/0/e1/world", "lockstep/job/0/e2/world"}}) {
+    SCOPED_TRACE(earlier + " -> " + later);
+    auto store = c10::make_intrusive<c10d::HashStore>();
+    auto config_for = [](int rank, const std::string& prefix) {
+      detail::WorldConfig config;
+      config.rank = rank;
+      config.size = 2;
+      config.job_id = "job";
+      config.secret = "s3cret";
+      config.key_prefix = prefix;
+      config.timeout = std::chrono::seconds(2);
+      config.master_addr = "127.0.0.1";
+      config.master_port = 29999;
+      return config;
+    };
+    auto scoped = [&](const std::string& prefix) {
+      return c10::make_intrusive<c10d::PrefixStore>(prefix, store);
+    };
+    std::thread rank_one([&] { detail::join(scoped(earlier), config_for(1, earlier), nonce); });
+    detail::join(scoped(earlier), config_for(0, earlier), nonce);
+    rank_one.join();
+    for (const char* key : {"rank/1", "proof/1"}) {
+      store->set(later + "/" + key, store->get(earlier + "/" + key));
+    }
+    expect_error<RendezvousError>([&] { detail::join(scoped(later), config_for(0, later), nonce); },
+                                  {"the process that joined as rank 1 did not prove that it "
+                                   "holds the job secret"});
   }
-  expect_error<RendezvousError>([&] { detail::join(scoped(1), config_for(0, 1), nonce); },
-                                {"the process that joined as rank 1 did not prove that it holds "
-                                 "the job secret"});
 }
 
 TEST(JobIsolation, AProcessWithoutTheSecretIsRefused) {
@@ -271,19 +278,13 @@ TEST(JobIsolation, AProcessWithASecretRefusesAJobWithout) {
 }
 
 // A client of the job's TCP store, as any process on the network could be.
-c10::intrusive_ptr<c10d::TCPStore> store_client(int port) {
-  c10d::TCPStoreOptions options;
-  options.port = static_cast<uint16_t>(port);
-  options.isServer = false;
-  options.waitWorkers = false;
-  options.timeout = std::chrono::seconds(10);
-  detail::choose_tcp_store_server(options); // what this LibTorch has
-  return c10::make_intrusive<c10d::TCPStore>("127.0.0.1", options);
+std::unique_ptr<store::StoreClient> store_client(int port) {
+  return std::make_unique<store::StoreClient>(store::Endpoint::tcp("127.0.0.1", port),
+                                              std::chrono::seconds(10));
 }
 
 std::string read_job_record(int port) {
-  auto bytes = store_client(port)->get("lockstep/job");
-  return {bytes.begin(), bytes.end()};
+  return store_client(port)->wait_get("lockstep/job", std::chrono::seconds(10)).value_or("");
 }
 
 TEST(JobIsolation, RanksWithTheSecretTrainAndTheSecretStaysOffTheWire) {
@@ -319,11 +320,8 @@ TEST(JobIsolation, ARankRecordWithoutProofFailsTheRendezvous) {
     std::thread forger([] {
       try {
         auto client = store_client(std::atoi(std::getenv("MASTER_PORT")));
-        while (!client->check({"lockstep/job"})) { // (compareSet wakes no waiter)
-          std::this_thread::sleep_for(std::chrono::milliseconds(5));
-        }
-        std::string record = "1 1 forged stranger";
-        client->set("lockstep/default/0/rank/1", {record.begin(), record.end()});
+        client->wait_get("lockstep/job", std::chrono::seconds(10));
+        client->set("lockstep/default/0/rank/1", "1 1 forged stranger");
       } catch (const std::exception& e) {
         ADD_FAILURE() << "the forger failed: " << e.what();
       }

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <filesystem>
 #include <fstream>
 #include <thread>
 
@@ -202,6 +203,42 @@ TEST(Launcher, GivesUpAfterItsRestarts) {
   auto result = launch({"--nproc-per-node", "1", "--max-restarts", "1", "--", "false"});
   EXPECT_EQ(result.exit_code, 1);
   EXPECT_TRUE(contains(result.output, "the job failed after 1 restart(s)")) << result.output;
+}
+
+// With --restart rank, a rank that crashes once another has finished is
+// not restarted (the job is ending), but the job fails: it said 0 before.
+TEST(Launcher, UnderRestartRankACrashAfterTheLoopFailsTheJob) {
+  auto result = launch({"--nproc-per-node", "2", "--restart", "rank", "--max-restarts", "2",
+                        "--", "sh", "-c",
+                        "if [ $RANK = 1 ]; then sleep 0.5; kill -SEGV $$; fi"});
+  EXPECT_EQ(result.exit_code, 1) << result.output;
+  EXPECT_TRUE(contains(result.output, "rank 1 was killed by signal 11")) << result.output;
+  EXPECT_TRUE(contains(result.output, "the others finish, and the job fails")) << result.output;
+  EXPECT_FALSE(contains(result.output, "restarting it alone")) << result.output;
+}
+
+// The launcher hosts the job's store (on node 0), and hands its ranks the
+// endpoint: on one host a Unix socket in the job's private folder, removed
+// when the job ends.
+TEST(Launcher, HostsTheJobsStoreAndRemovesItsFolder) {
+  ScratchFolder tmp("launcher-store");
+  auto result = launch({"--nproc-per-node", "2", "--", "sh", "-c",
+                        "echo endpoint=$LOCKSTEP_STORE_ENDPOINT; test -S ${LOCKSTEP_STORE_ENDPOINT#unix:}"},
+                       {{"TMPDIR", tmp.path()}});
+  ASSERT_TRUE(result.ok()) << result.output;
+  EXPECT_TRUE(contains(result.output, "[0] endpoint=unix:" + tmp.path() + "/lockstep-"))
+      << result.output;
+  auto across = launch({"--nproc-per-node", "1", "--", "sh", "-c",
+                        "echo endpoint=$LOCKSTEP_STORE_ENDPOINT"},
+                       {{"LOCKSTEP_STORE", "tcp"}});
+  EXPECT_TRUE(contains(across.output, "[0] endpoint=tcp:127.0.0.1:")) << across.output;
+  std::error_code ignored;
+  int left = 0;
+  for (auto it = std::filesystem::recursive_directory_iterator(tmp.path(), ignored);
+       it != std::filesystem::recursive_directory_iterator(); ++it) {
+    left += it->is_regular_file() || it->is_socket();
+  }
+  EXPECT_EQ(left, 0) << "the job's folder stayed behind";
 }
 
 TEST(Launcher, BadCommandLinesExitWithUsage) {

@@ -179,7 +179,7 @@ TEST(WorldErrors, ServiceThatIsNotAStore) {
         env["MASTER_PORT"] = std::to_string(port);
         env["LOCKSTEP_STORE"] = "tcp";
       },
-      {"127.0.0.1:{port}", "does not answer as a c10d store"});
+      {"127.0.0.1:{port}", "does not answer as a lockstep job store"});
 }
 
 TEST(WorldErrors, MasterAddressThatDoesNotResolveFailsAtOnce) {

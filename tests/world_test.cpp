@@ -247,8 +247,9 @@ TEST(World, ConnectsToTorchrunsAgentStore) {
     env["TORCHELASTIC_RUN_ID"] = "agent-test";
   };
   auto result = launch_ranks(options, [](int rank) {
-    // Rank 0's process plays torchrun's agent: it hosts the store before
-    // any rank calls init(), and init() must connect to it, not host one.
+    // Rank 0's process plays torchrun's agent: it hosts its store before any
+    // rank calls init(); the port is the agent's, so rank 0 serves the job's
+    // store on another one and says where in the agent's.
     c10::intrusive_ptr<c10d::TCPStore> agent;
     if (rank == 0) {
       c10d::TCPStoreOptions store_options;
@@ -264,8 +265,8 @@ TEST(World, ConnectsToTorchrunsAgentStore) {
     EXPECT_TRUE(tensor.eq(3).all().item<bool>());
     world.barrier();
     if (rank == 0) {
-      EXPECT_TRUE(agent->check({"lockstep/agent-test/0/rank/1"}))
-          << "rank 1 did not join through the agent's store";
+      EXPECT_TRUE(agent->check({"lockstep/agent-test/0/store"}))
+          << "the ranks did not find the job's store through the agent's";
     }
     world.barrier();
   });

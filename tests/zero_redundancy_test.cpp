@@ -122,5 +122,45 @@ TEST(ZeroState, EachRankHoldsItsShardAlone) {
   }
 }
 
+// torch::load gives a module's parameters other memory and new gradient
+// accumulators (set_): the wrapper hooks them again at the next forward
+// (their gradients were no longer averaged), and the pieces that
+// ZeroPartition::Elements cut from them follow (it stepped none of them);
+// both then train as plain DDP with a module that was never loaded.
+TEST(ZeroElements, TrainOnAfterTheModuleIsLoaded) {
+  ScratchFolder folder("zero-load");
+  LaunchOptions launch;
+  launch.world_size = 2;
+  launch.environment = [folder = folder.path()](int, RankEnvironment& env) {
+    env["LOCKSTEP_TEST_FOLDER"] = folder;
+  };
+  auto result = launch_ranks(launch, [](int rank) {
+    World world = init();
+    DDP<Mlp> plain(float64_mlp(3), world);
+    DDP<Mlp> sliced(float64_mlp(3), world);
+    auto plain_optimizer_ = plain_optimizer(Kind::Sgd, plain.module()->parameters());
+    auto slices = optimizer_of(Way::Zero, Kind::Sgd, sliced, world, {},
+                               ZeroOptions().partition(ZeroPartition::Elements));
+    train_steps(plain, *plain_optimizer_, true, 0, 2, rank, 2);
+    train_steps(sliced, *slices, true, 0, 2, rank, 2);
+    auto file = shared_folder() + "/module-" + std::to_string(rank) + ".pt";
+    torch::save(sliced.module(), file);
+    torch::load(sliced.module(), file);
+    torch::save(plain.module(), file + ".plain");
+    DDP<Mlp> reference(float64_mlp(3), world);
+    auto reference_optimizer = plain_optimizer(Kind::Sgd, reference.module()->parameters());
+    train_steps(reference, *reference_optimizer, true, 0, 2, rank, 2);
+    torch::load(plain.module(), file + ".plain");
+    auto before = flatten(sliced.module()->parameters()).clone();
+    train_steps(plain, *plain_optimizer_, true, 2, 4, rank, 2);
+    train_steps(sliced, *slices, true, 2, 4, rank, 2);
+    train_steps(reference, *reference_optimizer, true, 2, 4, rank, 2);
+    EXPECT_FALSE(flatten(sliced.module()->parameters()).equal(before));
+    expect_bit_identical(*plain.module(), *reference.module(), "plain DDP after torch::load");
+    expect_bit_identical(*sliced.module(), *reference.module(), "ZeRO after torch::load");
+  });
+  EXPECT_TRUE(result.ok()) << result.report();
+}
+
 } // namespace
 } // namespace lockstep::testing

@@ -23,7 +23,10 @@
 #include <memory>
 #include <string>
 
+#include <functional>
+
 #include <torch/arg.h>
+#include <torch/serialize/archive.h>
 
 #include <lockstep/ddp.h>
 #include <lockstep/world.h>
@@ -38,10 +41,16 @@ struct FaultToleranceOptions {
   /// The fewest ranks that train on. Below it, the survivors wait (at most
   /// `timeout`) for ranks to come back, then raise FaultToleranceError.
   TORCH_ARG(int, min_world_size) = 1;
-  /// A rank whose heartbeat stops for this long (stopped, hung, cut off)
-  /// is taken for failed and left out. A rank whose process is gone is
-  /// left out at once where the others can see it (on its host).
+  /// A rank whose heartbeat stops for this long (stopped, cut off) is taken
+  /// for failed and left out. A rank whose process ends is left out at
+  /// once: its connection to the job's store closes.
   TORCH_ARG(std::chrono::milliseconds, heartbeat_timeout) = std::chrono::seconds(2);
+  /// A rank that has not finished a step that the others finished, or not
+  /// come back for the next world, this long after them is hung (its
+  /// heartbeat, sent by a thread of its own, goes on): the others report
+  /// it, drop the step and train on without it, and lockstep-run ends it
+  /// (and restarts it under --restart rank).
+  TORCH_ARG(std::chrono::milliseconds, step_timeout) = std::chrono::minutes(5);
   /// The limit on waiting for enough ranks, and on forming a world.
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(5);
   /// With the step number and the rank's launcher rank, seeds the random
@@ -49,6 +58,12 @@ struct FaultToleranceOptions {
   TORCH_ARG(uint64_t, seed) = 0;
   /// One line on stderr per failure, and per world formed.
   TORCH_ARG(bool, verbose) = true;
+  /// Across hosts the job's store is reached over the network, and without
+  /// a job secret (LOCKSTEP_JOB_SECRET) any process there could forge the
+  /// decisions that the ranks act on (docs/world.md#security); so a job
+  /// across hosts needs a secret, unless this says that the network is
+  /// trusted.
+  TORCH_ARG(bool, trusted_network) = false;
 };
 
 /// What a fault-tolerant loop went through, for logs and figures.
@@ -93,6 +108,15 @@ class FaultTolerance {
   bool commit();
   /// Committed steps.
   int64_t step() const;
+  /// State of the program's own that must reach a rank that rejoins with
+  /// the model and the optimizer (a learning-rate scheduler's step, the
+  /// program's counters), as torchft's register_state_dict_fn: the rank
+  /// that holds the live state `save`s it, the one that receives it
+  /// `load`s it. Register the same names in the same order on every rank,
+  /// before the first begin_step().
+  void register_state(const std::string& name,
+                      std::function<void(torch::serialize::OutputArchive&)> save,
+                      std::function<void(torch::serialize::InputArchive&)> load);
   /// Who trains the current step: this process's rank and the size.
   const World& world() const;
   FaultToleranceStats stats() const;

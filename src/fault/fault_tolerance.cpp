@@ -1,40 +1,50 @@
 // The fault-tolerant loop: begin_step() re-forms the world when it must
-// (reform.cpp), and commit() decides each step once for every rank
-// (membership.h).
+// (reform.cpp), commit() decides each step once for every rank
+// (membership.h), and the job's liveness (world/liveness.h) tells the
+// loop, from its own thread, when a member of the current world failed or
+// another rank gave the world up.
 
+#include <algorithm>
 #include <exception>
+#include <sstream>
 #include <thread>
 
 #include <ATen/ATen.h>
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
+#include <lockstep/zero_redundancy_optimizer.h>
+
+#include "common/wording.h"
 #include "fault/loop_state.h"
+#include "store/client.h"
 #include "world/epoch_world.h"
 
 namespace lockstep {
 
 using detail::Member;
+using detail::Phase;
 using detail::WorldAccess;
 
 namespace detail {
 
-std::string first_line(const std::string& text) {
-  return text.substr(0, text.find('\n'));
+std::string give_up(Membership& membership, Liveness& liveness, int64_t epoch,
+                    const std::string& why) {
+  auto stands = membership.abandon(epoch, why);
+  liveness.note(kAbandonNote + std::to_string(epoch));
+  return stands;
 }
 
-std::string describe(const std::vector<Member>& members) {
-  std::string ranks;
-  for (const auto& member : members) {
-    ranks += str(ranks.empty() ? "" : ", ", member.replica);
-  }
-  return (members.size() == 1 ? "rank " : "ranks ") + ranks;
+namespace {
+
+Signer signer_of(const World& base) {
+  return Signer{[base](const std::string& claim) { return WorldAccess::prove(base, claim); },
+                [base](const std::string& claim, const std::string& proof) {
+                  return WorldAccess::proven(base, claim, proof);
+                },
+                WorldAccess::has_secret(base)};
 }
 
+} // namespace
 } // namespace detail
-
-c10::intrusive_ptr<c10d::Store> FaultTolerance::Impl::ft_store() const {
-  return c10::make_intrusive<c10d::PrefixStore>("ft", WorldAccess::store_connection(base));
-}
 
 FaultTolerance::FaultTolerance(std::shared_ptr<detail::Reducer> reducer,
                                torch::optim::Optimizer& optimizer,
@@ -46,47 +56,70 @@ FaultTolerance::FaultTolerance(std::shared_ptr<detail::Reducer> reducer,
                    options.min_world_size(), ".");
   LOCKSTEP_ENFORCE(options.heartbeat_timeout().count() > 0, ConfigError,
                    "FaultToleranceOptions::heartbeat_timeout must be positive.");
+  LOCKSTEP_ENFORCE(options.step_timeout().count() > 0, ConfigError,
+                   "FaultToleranceOptions::step_timeout must be positive.");
+  LOCKSTEP_ENFORCE(
+      dynamic_cast<detail::ShardedOptimizer*>(&optimizer) == nullptr, UsageError,
+      "lockstep::FaultTolerance cannot take a ZeroRedundancyOptimizer: each rank holds only "
+      "its shard of the optimizer's state, which dies with it. Give FaultTolerance a plain "
+      "torch::optim optimizer.");
+  LOCKSTEP_ENFORCE(
+      !WorldAccess::across_hosts(impl.base) || WorldAccess::has_secret(impl.base) ||
+          options.trusted_network(),
+      ConfigError, "lockstep::FaultTolerance across hosts needs a job secret "
+      "(LOCKSTEP_JOB_SECRET, the same on every rank): without one, any process that reaches "
+      "the job's store could forge the decisions the ranks act on (who trains, which steps "
+      "count, whose state a rejoining rank loads). Set one, or "
+      "FaultToleranceOptions::trusted_network(true) on a network you trust.");
   impl.reducer->tolerate_failures();
   impl.buffers = impl.reducer->replica_tensors(/*buffers_only=*/true);
-  impl.slots = WorldAccess::slots(impl.base);
   impl.me.replica = WorldAccess::replica(impl.base);
   impl.me.incarnation = WorldAccess::incarnation(impl.base);
   impl.me.identity = detail::this_process();
-  impl.membership = std::make_unique<detail::Membership>(impl.ft_store());
-  impl.liveness = std::make_unique<detail::Liveness>([&impl] { return impl.ft_store(); },
-                                                     impl.me, impl.slots,
-                                                     options.heartbeat_timeout());
+  if (impl.base.size() == 1 && !WorldAccess::standby(impl.base)) {
+    // A job of one process: nothing fails but itself.
+    impl.epoch = 0;
+    impl.members = {impl.me};
+    return;
+  }
+  impl.liveness = WorldAccess::liveness(impl.base, options.heartbeat_timeout());
+  auto signer = detail::signer_of(impl.base);
+  const auto& prefix = WorldAccess::key_prefix(impl.base);
+  impl.membership = std::make_unique<detail::Membership>(WorldAccess::store_client(impl.base),
+                                                         prefix, signer);
+  impl.notices = std::make_unique<detail::Membership>(WorldAccess::store_client(impl.base),
+                                                      prefix, signer);
+  impl.agreement = std::make_unique<detail::Agreement>(
+      *impl.membership, *impl.liveness,
+      detail::AgreementOptions{options.min_world_size(), options.step_timeout(),
+                               options.timeout()});
+  impl.watch = std::make_shared<detail::Watch>();
+  impl.liveness->on_change([watch = impl.watch, liveness = impl.liveness.get(),
+                            notices = impl.notices.get()](const std::vector<std::string>& notes) {
+    Impl::on_liveness(watch, *liveness, *notices, notes);
+  });
   if (WorldAccess::standby(impl.base)) {
     // Restarted alone: it joins at its first begin_step.
     impl.holds_state = false;
     impl.need_reform = true;
-    impl.committed = 0;
     return;
   }
   // The job's first processes: epoch 0 is the wrapper's world.
   impl.me.step = 0;
-  impl.me.proof = WorldAccess::prove(impl.base, impl.proof_message(0));
+  impl.me.trained = 0;
   for (const auto& record : impl.base.all_gather_strings(impl.me.to_record())) {
     impl.members.push_back(Member::from_record(record));
   }
   if (impl.base.rank() == 0) {
-    impl.membership->decide_members(0, impl.members);
-    impl.membership->note_latest_epoch(0);
+    impl.membership->decide(detail::Epoch{}, impl.members);
+    impl.membership->note_lineage(0);
   }
   impl.epoch = 0;
-  impl.liveness->watch(0, impl.members, impl.world);
+  impl.watch_world(0, impl.members, impl.world);
+  impl.base.barrier(); // epoch 0 is decided before anyone looks for it
 }
 
-FaultTolerance::~FaultTolerance() {
-  auto& impl = *impl_;
-  if (std::uncaught_exceptions() == 0 && impl.holds_state) {
-    try {
-      impl.membership->finish(impl.committed);
-    } catch (const std::exception&) {
-      // The store is gone with the job: nobody is left to tell.
-    }
-  }
-}
+FaultTolerance::~FaultTolerance() = default;
 
 int64_t FaultTolerance::step() const {
   return impl_->committed;
@@ -100,11 +133,24 @@ FaultToleranceStats FaultTolerance::stats() const {
   return impl_->stats;
 }
 
+void FaultTolerance::register_state(const std::string& name,
+                                    std::function<void(torch::serialize::OutputArchive&)> save,
+                                    std::function<void(torch::serialize::InputArchive&)> load) {
+  auto& impl = *impl_;
+  LOCKSTEP_ENFORCE(save && load, UsageError, "register_state('", name, "') needs both a save "
+                   "and a load function.");
+  for (const auto& state : impl.user_states) {
+    LOCKSTEP_ENFORCE(state.name != name, UsageError, "register_state('", name, "') was called "
+                     "twice: each name holds one piece of state.");
+  }
+  impl.user_states.push_back({name, std::move(save), std::move(load)});
+}
+
 void FaultTolerance::begin_step() {
   auto& impl = *impl_;
   LOCKSTEP_ENFORCE(!impl.in_step, UsageError, "begin_step() was called twice without "
                    "commit() between: every step ends with ft.commit().");
-  if (impl.need_reform || !impl.liveness->verdict().empty()) {
+  if (impl.watch && (impl.need_reform || !impl.verdict().empty())) {
     impl.reform();
   }
   at::NoGradGuard no_grad;
@@ -114,6 +160,9 @@ void FaultTolerance::begin_step() {
   }
   impl.backwards_at_begin = impl.reducer->synchronised_backwards();
   impl.in_step = true;
+  if (impl.watch) {
+    impl.progress(Phase::InStep);
+  }
 }
 
 bool FaultTolerance::commit() {
@@ -127,33 +176,31 @@ bool FaultTolerance::commit() {
       UsageError, "commit() found no synchronised backward through the wrapper since "
       "begin_step(): the step's gradients were not averaged, so there is nothing to commit. "
       "Run the loss's backward() between begin_step() and commit(), outside no_sync().");
+  if (!impl.watch) {
+    ++impl.committed; // a job of one process
+    return true;
+  }
   if (failure.empty()) {
     failure = WorldAccess::broken(impl.world);
   }
-  std::string decision;
-  if (failure.empty()) {
-    auto votes = impl.membership->vote(impl.epoch, impl.committed);
-    if (votes == static_cast<int64_t>(impl.members.size())) {
-      bool joining = impl.membership->wanted(impl.epoch + 1);
-      decision = impl.membership->decide_step(impl.epoch, impl.committed,
-                                              joining ? "commit reform" : "commit");
-    }
-  } else {
-    decision = impl.membership->decide_step(impl.epoch, impl.committed,
-                                            "abort " + detail::first_line(failure));
-  }
-  if (decision.empty()) {
-    decision = impl.await_decision();
-  }
+  impl.progress(Phase::Voted);
+  auto decision = impl.agreement->decide_step(impl.epoch, impl.committed, impl.me, impl.members,
+                                              failure,
+                                              [&impl] { return impl.verdict(); });
   if (decision.rfind("commit", 0) == 0) {
     ++impl.committed;
+    impl.progress(Phase::Between);
     if (decision == "commit reform") {
       impl.need_reform = true;
     }
     return true;
   }
   impl.need_reform = true;
+  impl.progress(Phase::Dropped);
   ++impl.stats.aborted_steps;
+  // The others may still wait in this world's collectives: give it up for
+  // every rank at once.
+  detail::give_up(*impl.membership, *impl.liveness, impl.epoch, decision.substr(6));
   impl.say(detail::str("step ", impl.committed, " is dropped on every rank: ",
                        decision.substr(6)));
   at::NoGradGuard no_grad;
@@ -163,22 +210,64 @@ bool FaultTolerance::commit() {
   return false;
 }
 
-std::string FaultTolerance::Impl::await_decision() {
-  auto pause = std::chrono::microseconds(20);
-  auto deadline = Clock::now() + options.timeout();
-  while (true) {
-    if (auto decided = membership->decision(epoch, committed)) {
-      return *decided;
+std::string FaultTolerance::Impl::verdict() {
+  std::lock_guard<std::mutex> lock(watch->mutex);
+  return watch->verdict;
+}
+
+void FaultTolerance::Impl::watch_world(int64_t number, const std::vector<Member>& decided,
+                                       World next) {
+  // A collective that waits a step's limit names the ranks that never came:
+  // they are hung. (The world, which holds this, goes before the liveness.)
+  WorldAccess::watch_hangs(next, options.step_timeout(),
+                           [live = liveness, decided, limit = options.step_timeout()](
+                               const std::vector<int>& ranks, const std::string& what) {
+                             for (int rank : ranks) {
+                               const auto& member = decided[static_cast<size_t>(rank)];
+                               live->report(member.replica, member.incarnation,
+                                            detail::str("it did not reach ", what, " within ",
+                                                        detail::seconds(limit), " of the others "
+                                                        "(FaultToleranceOptions::step_timeout): "
+                                                        "it is hung"));
+                             }
+                           });
+  std::lock_guard<std::mutex> lock(watch->mutex);
+  watch->epoch = number;
+  watch->members = decided;
+  watch->world = std::move(next);
+  watch->verdict.clear();
+}
+
+void FaultTolerance::Impl::on_liveness(const std::shared_ptr<detail::Watch>& watch,
+                                       detail::Liveness& liveness, detail::Membership& notices,
+                                       const std::vector<std::string>& notes) {
+  std::lock_guard<std::mutex> lock(watch->mutex);
+  if (!watch->alive || !watch->world || !watch->verdict.empty()) {
+    return;
+  }
+  std::string why;
+  for (const auto& member : watch->members) {
+    if (auto failure = liveness.failed(member.replica, member.incarnation)) {
+      why = member.describe() + " failed: " + *failure;
+      break;
     }
-    auto verdict = liveness->verdict();
-    if (verdict.empty() && Clock::now() >= deadline) {
-      verdict = "no decision within FaultToleranceOptions::timeout";
+  }
+  std::string mine = detail::kAbandonNote + std::to_string(watch->epoch);
+  bool told = std::find(notes.begin(), notes.end(), mine) != notes.end();
+  try {
+    if (!why.empty()) {
+      why = detail::give_up(notices, liveness, watch->epoch, why);
+    } else if (told) {
+      why = notices.abandon(watch->epoch, "given up"); // reads the reason that stands
     }
-    if (!verdict.empty()) {
-      return membership->decide_step(epoch, committed, "abort " + detail::first_line(verdict));
-    }
-    std::this_thread::sleep_for(pause);
-    pause = std::min(pause * 2, std::chrono::microseconds(1000));
+  } catch (const FaultToleranceError&) {
+    // The store is out of reach, or a reason without proof: this rank gives
+    // its world up all the same, and its main thread's waits say why.
+    why = why.empty() ? "the job's store could not be read" : why;
+  }
+  if (!why.empty()) {
+    watch->verdict = why;
+    WorldAccess::abandon(*watch->world, why);
   }
 }
 

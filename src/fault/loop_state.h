@@ -1,27 +1,48 @@
 #pragma once
 
 // What a lockstep::FaultTolerance holds, shared by its two halves: the
-// loop (fault_tolerance.cpp: begin_step, commit) and the re-forming of the
-// world after a failure or for a rank that joins (reform.cpp).
+// loop (fault_tolerance.cpp: begin_step, commit, the watch on the job's
+// liveness) and the re-forming of the world after a failure or for a rank
+// that joins (reform.cpp).
 
 #include <chrono>
+#include <iostream>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <lockstep/fault_tolerance.h>
 
-#include "fault/liveness.h"
+#include "fault/agreement.h"
 #include "fault/membership.h"
+#include "world/liveness.h"
 
 namespace lockstep {
 
 namespace detail {
 
-/// The first line of an error's text, for one-line decisions and logs.
-std::string first_line(const std::string& text);
-/// "rank 2" or "ranks 0, 2" (launcher ranks).
-std::string describe(const std::vector<Member>& members);
+/// The note that tells every watcher at once that an epoch was given up
+/// ("ft abandon <epoch>"; the reason, signed, is in the store).
+constexpr const char* kAbandonNote = "ft abandon ";
+
+/// Gives `epoch` up for every member: the first reason given stands in the
+/// store, and a note wakes every watcher. Returns the reason that stands.
+std::string give_up(Membership& membership, Liveness& liveness, int64_t epoch,
+                    const std::string& why);
+
+/// What the liveness thread watches: the current world and its members,
+/// and why it gave that world up. Shared with the callback, which outlives
+/// nothing: `alive` turns false before the loop goes.
+struct Watch {
+  std::mutex mutex;
+  bool alive = true;
+  int64_t epoch = -1;
+  std::vector<Member> members;
+  std::optional<World> world;
+  std::string verdict;
+};
 
 } // namespace detail
 
@@ -33,9 +54,12 @@ struct FaultTolerance::Impl {
   World base;  // init()'s: the job's store
   World world; // the current epoch's
   detail::Member me;
-  int slots = 1;
+  std::shared_ptr<detail::Liveness> liveness;
+  // The main thread's connection, and the liveness thread's.
   std::unique_ptr<detail::Membership> membership;
-  std::unique_ptr<detail::Liveness> liveness;
+  std::unique_ptr<detail::Membership> notices;
+  std::unique_ptr<detail::Agreement> agreement;
+  std::shared_ptr<detail::Watch> watch;
   int64_t epoch = -1;
   std::vector<detail::Member> members;
   int64_t committed = 0;
@@ -45,6 +69,12 @@ struct FaultTolerance::Impl {
   int64_t backwards_at_begin = 0;
   std::vector<at::Tensor> buffers;
   std::vector<at::Tensor> buffers_at_begin;
+  struct UserState {
+    std::string name;
+    std::function<void(torch::serialize::OutputArchive&)> save;
+    std::function<void(torch::serialize::InputArchive&)> load;
+  };
+  std::vector<UserState> user_states;
   FaultToleranceStats stats;
 
   Impl(std::shared_ptr<detail::Reducer> reducer_in,
@@ -55,9 +85,16 @@ struct FaultTolerance::Impl {
         options(options_in),
         base(reducer->world()),
         world(base) {}
-
-  /// A connection of its own to the job's store, under "ft".
-  c10::intrusive_ptr<c10d::Store> ft_store() const;
+  // Here, not in ~FaultTolerance: a constructor that throws after the
+  // callback is set must not leave the liveness thread calling into freed
+  // members.
+  ~Impl() {
+    if (watch) {
+      liveness->on_change(nullptr);
+      std::lock_guard<std::mutex> lock(watch->mutex);
+      watch->alive = false;
+    }
+  }
 
   void say(const std::string& line) const {
     if (options.verbose()) {
@@ -65,14 +102,20 @@ struct FaultTolerance::Impl {
     }
   }
 
-  std::string proof_message(int64_t target) const {
-    return detail::str("e", target, "|", me.replica, "|", me.incarnation);
+  void progress(detail::Phase phase) {
+    liveness->set_progress(detail::progress_of(committed, phase));
   }
-
+  /// Why the current world was given up, or "".
+  std::string verdict();
+  /// From now on the liveness thread watches `next` and its members.
+  void watch_world(int64_t epoch, const std::vector<detail::Member>& decided, World next);
+  /// Called on the liveness thread when the job's view changes.
+  static void on_liveness(const std::shared_ptr<detail::Watch>& watch,
+                          detail::Liveness& liveness, detail::Membership& notices,
+                          const std::vector<std::string>& notes);
   void reform();
-  std::vector<detail::Member> await_members(int64_t target, Clock::time_point deadline);
   World form(int64_t target, const std::vector<detail::Member>& decided);
-  void bring_up_to_date(World& next, const std::vector<detail::Member>& decided);
-  std::string await_decision();
+  void bring_up_to_date(World& next, const std::vector<detail::Member>& decided,
+                        int64_t target);
 };
 } // namespace lockstep

@@ -1,46 +1,17 @@
 #include "fault/membership.h"
 
+#include <map>
 #include <sstream>
-
-#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <lockstep/error.h>
 
 #include "common/wording.h"
-#include "compat/c10d.h"
+#include "store/client.h"
 
 namespace lockstep::detail {
-
-std::string Member::to_record() const {
-  return str(replica, " ", incarnation, " ", step, " ", proof, " ", identity.to_record());
-}
-
-Member Member::from_record(const std::string& record) {
-  Member member;
-  std::istringstream in(record);
-  in >> member.replica >> member.incarnation >> member.step >> member.proof >> std::ws;
-  std::string rest;
-  std::getline(in, rest);
-  member.identity = ProcessIdentity::from_record(rest);
-  return member;
-}
-
-std::string Member::describe() const {
-  return str("rank ", replica, " (incarnation ", incarnation, ", pid ", identity.pid, " on ",
-             identity.host, ")");
-}
-
-std::string epoch_key(int64_t epoch, const std::string& key) {
-  return str("e", epoch, "/", key);
-}
-
-std::string step_key(int64_t epoch, int64_t step, const std::string& key) {
-  return str("e", epoch, "/s", step, "/", key);
-}
-
-Membership::Membership(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {}
-
 namespace {
+
+constexpr const char* kProof = "\nproof ";
 
 // A store that does not answer within its timeout (its host cut off, or
 // gone) leaves this rank unable to agree on anything: it ends, and
@@ -55,52 +26,9 @@ auto guarded(const char* what, Operation operation) {
     LOCKSTEP_FAIL(FaultToleranceError, "this rank lost the job's store while it ", what,
                   ", so it can no longer agree with the others on who trains; it ends, and "
                   "lockstep-run --restart rank restarts it to rejoin once the store answers.\n"
-                  "  cause: ", describe_exception(e));
+                  "  cause: ", e.what());
   }
 }
-
-} // namespace
-
-std::optional<std::string> Membership::read(const std::string& key) {
-  return guarded("read its state", [&]() -> std::optional<std::string> {
-    if (!store_->check({key})) {
-      return std::nullopt;
-    }
-    auto bytes = store_->get(key);
-    return std::string(bytes.begin(), bytes.end());
-  });
-}
-
-std::string Membership::compare_set(const std::string& key, const std::string& value) {
-  return guarded("proposed a decision", [&] {
-    auto stored = store_->compareSet(key, {}, std::vector<uint8_t>(value.begin(), value.end()));
-    return std::string(stored.begin(), stored.end());
-  });
-}
-
-void Membership::arrive(int64_t epoch, const Member& me) {
-  guarded("announced itself", [&] {
-    store_set(*store_, epoch_key(epoch, str("arrive/", me.replica)), me.to_record());
-    store_->add(epoch_key(epoch, "wanting"), 1);
-  });
-}
-
-std::vector<Member> Membership::arrivals(int64_t epoch, int slots) {
-  std::vector<Member> found;
-  for (int replica = 0; replica < slots; ++replica) {
-    if (auto record = read(epoch_key(epoch, str("arrive/", replica)))) {
-      found.push_back(Member::from_record(*record));
-    }
-  }
-  return found;
-}
-
-bool Membership::wanted(int64_t epoch) {
-  return guarded("looked for ranks to take in",
-                 [&] { return store_->check({epoch_key(epoch, "wanting")}); });
-}
-
-namespace {
 
 std::vector<Member> parse_members(const std::string& text) {
   std::vector<Member> members;
@@ -113,65 +41,350 @@ std::vector<Member> parse_members(const std::string& text) {
   return members;
 }
 
-} // namespace
-
-std::optional<std::vector<Member>> Membership::members(int64_t epoch) {
-  auto text = read(epoch_key(epoch, "members"));
-  if (!text) {
-    return std::nullopt;
-  }
-  return parse_members(*text);
-}
-
-std::vector<Member> Membership::decide_members(int64_t epoch,
-                                               const std::vector<Member>& members) {
+std::string members_text(const std::vector<Member>& members) {
   std::string text;
   for (const auto& member : members) {
     text += member.to_record() + "\n";
   }
-  return parse_members(compare_set(epoch_key(epoch, "members"), text));
+  return text;
 }
 
-int64_t Membership::latest_epoch() {
-  auto text = read("latest");
-  int64_t epoch = text ? std::stoll(*text) : 0;
-  while (read(epoch_key(epoch + 1, "members"))) {
-    ++epoch;
+} // namespace
+
+std::string Member::to_record() const {
+  return str(replica, " ", incarnation, " ", step, " ", trained, " ", identity.to_record());
+}
+
+Member Member::from_record(const std::string& record) {
+  Member member;
+  std::istringstream in(record);
+  in >> member.replica >> member.incarnation >> member.step >> member.trained >> std::ws;
+  std::string rest;
+  std::getline(in, rest);
+  member.identity = ProcessIdentity::from_record(rest);
+  return member;
+}
+
+std::string Member::describe() const {
+  return str("rank ", replica, " (incarnation ", incarnation, ", pid ", identity.pid, " on ",
+             identity.host, ")");
+}
+
+std::string describe(const std::vector<Member>& members) {
+  std::string ranks;
+  for (const auto& member : members) {
+    ranks += str(ranks.empty() ? "" : ", ", member.replica);
   }
+  return (members.size() == 1 ? "rank " : "ranks ") + ranks;
+}
+
+std::string first_line(const std::string& text) {
+  return text.substr(0, text.find('\n'));
+}
+
+int live_state_source(const std::vector<Member>& decided) {
+  int source = -1;
+  for (int rank = 0; rank < static_cast<int>(decided.size()); ++rank) {
+    const auto& member = decided[static_cast<size_t>(rank)];
+    if (member.step < 0) {
+      continue;
+    }
+    const Member* best = source < 0 ? nullptr : &decided[static_cast<size_t>(source)];
+    if (best == nullptr || member.trained > best->trained ||
+        (member.trained == best->trained && member.step > best->step)) {
+      source = rank;
+    }
+  }
+  return source;
+}
+
+bool behind(const Member& member, const Member& source) {
+  return member.step != source.step || member.trained != source.trained;
+}
+
+std::string epoch_key(int64_t epoch, const std::string& key) {
+  return str("e", epoch, "/", key);
+}
+
+std::string step_key(int64_t epoch, int64_t step, const std::string& key) {
+  return str("e", epoch, "/s", step, "/", key);
+}
+
+Membership::Membership(std::unique_ptr<store::StoreClient> client, const std::string& prefix,
+                       Signer signer)
+    : client_(std::move(client)), prefix_(prefix + "/ft/"), signer_(std::move(signer)) {}
+
+Membership::~Membership() = default;
+
+std::string Membership::claim(const std::string& what, const std::string& body) const {
+  return prefix_ + what + "|" + body;
+}
+
+std::string Membership::sign(const std::string& what, const std::string& body) const {
+  return body + kProof + signer_.prove(claim(what, body));
+}
+
+std::string Membership::open(const std::string& what, const std::string& key,
+                             const std::string& value) const {
+  auto at = value.rfind(kProof);
+  std::string body = at == std::string::npos ? value : value.substr(0, at);
+  std::string proof = at == std::string::npos ? "" : value.substr(at + std::string(kProof).size());
+  LOCKSTEP_ENFORCE(
+      signer_.proven(claim(what, body), proof), FaultToleranceError, "the job's store holds ",
+      key, " without a valid proof of the job secret: a process without the secret wrote it. "
+      "This rank refuses to act on it and ends; keep the store's port closed to others "
+      "(docs/world.md#security).");
+  return body;
+}
+
+Epoch Membership::latest() {
+  auto value = guarded("read the latest epoch", [&] { return client_->get(prefix_ + "epoch"); });
+  Epoch epoch;
+  if (!value) {
+    return epoch;
+  }
+  auto body = open("epoch", "the latest epoch", *value);
+  auto newline = body.find('\n');
+  epoch.number = std::stoll(body.substr(0, newline));
+  epoch.members = parse_members(newline == std::string::npos ? "" : body.substr(newline + 1));
+  epoch.stored = *value;
+  LOCKSTEP_ENFORCE(epoch.number >= highest_epoch_, FaultToleranceError, "the job's latest "
+                   "epoch went back from ", highest_epoch_, " to ", epoch.number, ": an old value "
+                   "was put back in the job's store. This rank refuses to act on it and ends.");
+  highest_epoch_ = epoch.number;
   return epoch;
 }
 
-void Membership::note_latest_epoch(int64_t epoch) {
-  guarded("noted its world", [&] { store_set(*store_, "latest", std::to_string(epoch)); });
+Epoch Membership::decide(const Epoch& after, const std::vector<Member>& members) {
+  int64_t number = after.number + 1;
+  auto value = sign("epoch", str(number, "\n", members_text(members)));
+  guarded("proposed a world", [&] {
+    auto stored = client_->compare_set(prefix_ + "epoch", after.stored, value);
+    if (stored == value) {
+      // For those who wait on this epoch's key.
+      client_->set(prefix_ + epoch_key(number, "members"), value);
+    }
+    return stored;
+  });
+  return latest();
 }
 
-int64_t Membership::vote(int64_t epoch, int64_t step) {
-  return guarded("voted", [&] { return store_->add(step_key(epoch, step, "votes"), 1); });
+std::optional<std::vector<Member>> Membership::await_members(int64_t epoch,
+                                                             std::chrono::milliseconds wait) {
+  auto key = epoch_key(epoch, "members");
+  auto value = guarded("waited for a world",
+                       [&] { return client_->wait_get(prefix_ + key, wait); });
+  if (!value) {
+    return std::nullopt;
+  }
+  auto body = open("epoch", "epoch " + std::to_string(epoch) + "'s members", *value);
+  auto newline = body.find('\n');
+  LOCKSTEP_ENFORCE(std::stoll(body.substr(0, newline)) == epoch, FaultToleranceError,
+                   "the job's store holds another epoch's members under ", key, ".");
+  return parse_members(newline == std::string::npos ? "" : body.substr(newline + 1));
+}
+
+void Membership::arrive(int64_t epoch, const Member& me) {
+  guarded("announced itself", [&] {
+    client_->set(prefix_ + epoch_key(epoch, str("arrive/", me.replica)),
+                 sign(str("arrive|", epoch), me.to_record()));
+    return client_->add(prefix_ + epoch_key(epoch, "wanting"), 1);
+  });
+}
+
+std::vector<Member> Membership::arrivals(int64_t epoch) {
+  auto found = guarded("looked for the ranks that arrived", [&] {
+    return client_->get_prefix(prefix_ + epoch_key(epoch, "arrive/"));
+  });
+  std::vector<Member> members;
+  for (const auto& [key, value] : found) {
+    // An arrival without a valid proof is never taken in (but refuses
+    // nothing: anyone may write one).
+    auto at = value.rfind(kProof);
+    if (at == std::string::npos) {
+      continue;
+    }
+    auto body = value.substr(0, at);
+    if (signer_.proven(claim(str("arrive|", epoch), body),
+                       value.substr(at + std::string(kProof).size()))) {
+      members.push_back(Member::from_record(body));
+    }
+  }
+  return members;
+}
+
+bool Membership::await_arrivals(int64_t epoch, const std::vector<Member>& members,
+                                std::chrono::milliseconds wait) {
+  std::vector<std::string> keys;
+  for (const auto& member : members) {
+    keys.push_back(prefix_ + epoch_key(epoch, str("arrive/", member.replica)));
+  }
+  return guarded("waited for the ranks to come", [&] { return client_->wait(keys, wait); });
+}
+
+bool Membership::wanted(int64_t epoch) {
+  return guarded("looked for ranks to take in",
+                 [&] { return client_->check({prefix_ + epoch_key(epoch, "wanting")}); });
+}
+
+int64_t Membership::vote(int64_t epoch, int64_t step, const Member& me) {
+  return guarded("voted", [&] {
+    if (signer_.secured) {
+      client_->set(prefix_ + step_key(epoch, step, str("vote/", me.replica)),
+                   sign(str("vote|", epoch, "|", step), str(me.replica, ".", me.incarnation)));
+    }
+    return client_->add(prefix_ + step_key(epoch, step, "votes"), 1);
+  });
+}
+
+bool Membership::all_voted(int64_t epoch, int64_t step, const std::vector<Member>& members,
+                           int64_t count) {
+  if (count < static_cast<int64_t>(members.size())) {
+    return false;
+  }
+  if (!signer_.secured) {
+    return true;
+  }
+  auto found = guarded("read the votes", [&] {
+    return client_->get_prefix(prefix_ + step_key(epoch, step, "vote/"));
+  });
+  std::map<std::string, std::string> votes(found.begin(), found.end());
+  for (const auto& member : members) {
+    auto vote = votes.find(prefix_ + step_key(epoch, step, str("vote/", member.replica)));
+    if (vote == votes.end()) {
+      return false;
+    }
+    auto at = vote->second.rfind(kProof);
+    if (at == std::string::npos ||
+        vote->second.substr(0, at) != str(member.replica, ".", member.incarnation) ||
+        !signer_.proven(claim(str("vote|", epoch, "|", step), vote->second.substr(0, at)),
+                        vote->second.substr(at + std::string(kProof).size()))) {
+      return false;
+    }
+  }
+  return true;
 }
 
 std::string Membership::decide_step(int64_t epoch, int64_t step, const std::string& decision) {
-  return compare_set(step_key(epoch, step, "decision"), decision);
+  auto key = step_key(epoch, step, "decision");
+  auto stored = guarded("proposed a decision", [&] {
+    return client_->compare_set(prefix_ + key, "", sign(str("step|", epoch, "|", step), decision));
+  });
+  return open(str("step|", epoch, "|", step), "the decision of step " + std::to_string(step), stored);
 }
 
-std::optional<std::string> Membership::decision(int64_t epoch, int64_t step) {
-  return read(step_key(epoch, step, "decision"));
+std::optional<std::string> Membership::await_decision(int64_t epoch, int64_t step,
+                                                      std::chrono::milliseconds wait) {
+  auto value = guarded("waited for a decision", [&] {
+    return client_->wait_get(prefix_ + step_key(epoch, step, "decision"), wait);
+  });
+  if (!value) {
+    return std::nullopt;
+  }
+  return open(str("step|", epoch, "|", step), "the decision of step " + std::to_string(step),
+              *value);
 }
 
-void Membership::finish(int64_t step) {
-  compare_set("finished", std::to_string(step));
-}
-
-std::optional<int64_t> Membership::finished() {
-  auto text = read("finished");
-  return text ? std::optional<int64_t>(std::stoll(*text)) : std::nullopt;
+void Membership::forget_step(int64_t epoch, int64_t step) {
+  guarded("cleaned up", [&] {
+    return client_->erase_prefix(prefix_ + step_key(epoch, step, ""));
+  });
 }
 
 std::string Membership::abandon(int64_t epoch, const std::string& why) {
-  return compare_set(epoch_key(epoch, "abandoned"), why);
+  auto stored = guarded("gave its world up", [&] {
+    return client_->compare_set(prefix_ + epoch_key(epoch, "abandoned"), "",
+                                sign(str("abandon|", epoch), why));
+  });
+  return open(str("abandon|", epoch), "the reason epoch " + std::to_string(epoch) + " was given up",
+              stored);
 }
 
-std::optional<std::string> Membership::abandoned(int64_t epoch) {
-  return read(epoch_key(epoch, "abandoned"));
+void Membership::retire(int64_t epoch) {
+  if (epoch >= 0) {
+    guarded("cleaned up", [&] { return client_->erase_prefix(prefix_ + epoch_key(epoch, "")); });
+  }
+}
+
+std::vector<int64_t> Membership::retire_through(int64_t epoch) {
+  // From where the last one stopped: a rank 0 that died before it
+  // retired, or an epoch that never formed, leaves nothing behind for long.
+  auto value = guarded("read what was retired", [&] { return client_->get(prefix_ + "retired"); });
+  int64_t from = 0;
+  if (value) {
+    try {
+      from = std::stoll(*value) + 1;
+    } catch (const std::exception&) {
+      from = 0; // not ours: retire from the start
+    }
+  }
+  std::vector<int64_t> retired;
+  for (int64_t e = std::max<int64_t>(from, 0); e <= epoch; ++e) {
+    retire(e);
+    retired.push_back(e);
+  }
+  if (!retired.empty()) {
+    guarded("noted what was retired", [&] {
+      client_->set(prefix_ + "retired", std::to_string(epoch));
+      return 0;
+    });
+  }
+  return retired;
+}
+
+void Membership::announce_state(int64_t epoch, int source, int64_t step,
+                                const std::string& digest) {
+  guarded("announced the live state", [&] {
+    client_->set(prefix_ + epoch_key(epoch, "state"),
+                 sign(str("state|", epoch), str(source, " ", step, " ", digest)));
+    return 0;
+  });
+}
+
+bool Membership::state_matches(int64_t epoch, int source, int64_t step,
+                               const std::string& digest, std::chrono::milliseconds wait) {
+  auto value = guarded("checked the live state", [&] {
+    return client_->wait_get(prefix_ + epoch_key(epoch, "state"), wait);
+  });
+  if (!value) {
+    return false;
+  }
+  auto at = value->rfind(kProof);
+  return at != std::string::npos &&
+      value->substr(0, at) == str(source, " ", step, " ", digest) &&
+      signer_.proven(claim(str("state|", epoch), value->substr(0, at)),
+                     value->substr(at + std::string(kProof).size()));
+}
+
+void Membership::note_lineage(int64_t epoch) {
+  guarded("noted its world", [&] {
+    client_->set(prefix_ + "lineage", sign("lineage", std::to_string(epoch)));
+    return 0;
+  });
+}
+
+int64_t Membership::lineage() {
+  auto value = guarded("read the lineage", [&] { return client_->get(prefix_ + "lineage"); });
+  int64_t lineage = value ? std::stoll(open("lineage", "the lineage", *value)) : -1;
+  LOCKSTEP_ENFORCE(lineage >= highest_lineage_, FaultToleranceError, "the job's lineage went "
+                   "back from epoch ", highest_lineage_, " to ", lineage, ": an old value was put "
+                   "back in the job's store. This rank refuses to act on it and ends.");
+  highest_lineage_ = lineage;
+  return lineage;
+}
+
+bool Membership::finished() {
+  auto value = guarded("read whether the job ended",
+                       [&] { return client_->get(prefix_ + "finished"); });
+  return value && open("finished", "the job's end", *value) == kFinished;
+}
+
+void Membership::left(int replica, int incarnation) {
+  guarded("said it leaves", [&] {
+    client_->set(prefix_ + str("left/", replica, "/", incarnation),
+                 sign(str("left|", replica, "|", incarnation), kLeft));
+    return 0;
+  });
 }
 
 } // namespace lockstep::detail

@@ -1,34 +1,50 @@
 #pragma once
 
-// Who trains, agreed through the job's store. Each world of a fault-
-// tolerant job is an epoch: its members are decided once, by the first
-// rank to propose them (a compare-and-set), from the ranks that arrived
-// for it; each of its steps is decided once the same way ("commit" when
-// every member voted that its reduction held, "abort" as soon as one says
-// otherwise). Whoever proposes, every rank reads the same answer.
+// Who trains, agreed through the job's store (store/server.h). Each world
+// of a fault-tolerant job is an epoch; its members and each of its steps
+// are decided once, by a compare-and-set whose first proposal stands, and
+// every rank reads the same answer.
 //
-// Keys, under the job's scope and "ft/":
-//   e<E>/arrive/<rank>    a member record: who wants to train in epoch E
-//   e<E>/wanting          how many asked (the last voter of epoch E-1 sees it)
-//   e<E>/members          the decided members, one record per line
-//   e<E>/abandoned        why epoch E was given up
-//   e<E>/s<S>/votes       how many members' reductions of step S held
-//   e<E>/s<S>/decision    "commit", "commit reform" or "abort <why>"
-//   finished              the step at which a rank ended its loop
-//   beat/<rank>           "<incarnation> <count>": the heartbeat (liveness.h)
+// Keys, under the job's prefix and "ft/":
+//   epoch                the latest epoch decided and its members: epoch E
+//                        is decided by a compare-and-set over E-1's value,
+//                        so epochs are totally ordered and a world forms
+//                        only from the latest
+//   e<E>/members         a copy of epoch E's decision, for those who wait
+//   e<E>/arrive/<slot>   a member record: who wants to train in epoch E
+//   e<E>/wanting         how many asked (the last voter of epoch E-1 sees it)
+//   e<E>/abandoned       why epoch E was given up
+//   e<E>/state           the digest of the live state sent in epoch E
+//   e<E>/s<S>/votes      how many members' reductions of step S held
+//   e<E>/s<S>/decision   "commit", "commit reform" or "abort <why>"
+//   lineage              the latest epoch that formed: its members hold
+//                        the trained state
+//   finished             "ended" once a rank exited with 0 (lockstep-run
+//                        writes it): a rank restarted later has nothing to
+//                        rejoin
+//   left/<slot>/<incarnation>   "left": that restarted rank found so
+// Bounded: a step's keys go once the next step is decided, an epoch's two
+// epochs later; the rest is one key each.
+//
+// With a job secret, every value a rank acts on ends with "\nproof HMAC"
+// over what it claims and where (the epoch, the step), bound to the job's
+// nonce; a value that does not verify is refused with FaultToleranceError,
+// never acted on. Without one, any process that reaches the store could
+// write them (docs/world.md#security).
 
+#include <chrono>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
-#include <c10/util/intrusive_ptr.h>
-
 #include "world/process_identity.h"
 
-namespace c10d {
-class Store;
-} // namespace c10d
+namespace lockstep::store {
+class StoreClient;
+} // namespace lockstep::store
 
 namespace lockstep::detail {
 
@@ -39,8 +55,9 @@ struct Member {
   int incarnation = 0;
   /// Committed steps of the state it holds; -1: none (restarted).
   int64_t step = -1;
-  /// Its proof of the job secret for this epoch ("-" without one).
-  std::string proof = "-";
+  /// The last epoch it trained in (-1: none): the state of the latest one
+  /// (the lineage) is the live state.
+  int64_t trained = -1;
   ProcessIdentity identity;
 
   std::string to_record() const;
@@ -49,50 +66,124 @@ struct Member {
   std::string describe() const;
 };
 
-std::string epoch_key(int64_t epoch, const std::string& key);
-std::string step_key(int64_t epoch, int64_t step, const std::string& key);
+/// "rank 2" or "ranks 0, 2" (launcher ranks).
+std::string describe(const std::vector<Member>& members);
+/// The first line of an error's text, for one-line decisions and logs.
+std::string first_line(const std::string& text);
 
-/// The store operations of the protocol, through one connection.
+/// The member of `decided` whose state is the live one: of the latest
+/// lineage it trained in, at the most steps; -1 if none holds state.
+int live_state_source(const std::vector<Member>& decided);
+/// Whether `member` must receive the live state of `source`: it has none,
+/// fewer steps, or it trained in an older world (stopped while the others
+/// went on), even at the same step.
+bool behind(const Member& member, const Member& source);
+
+/// Proves and checks claims with the job's secret (WorldAccess::prove):
+/// "-" and always true without one.
+struct Signer {
+  std::function<std::string(const std::string& claim)> prove;
+  std::function<bool(const std::string& claim, const std::string& proof)> proven;
+  /// Whether there is a secret (without one every proof holds).
+  bool secured = false;
+};
+
+/// An epoch as decided: its number (-1 before the first) and members, and
+/// the stored value that the next decision must find.
+struct Epoch {
+  int64_t number = -1;
+  std::vector<Member> members;
+  std::string stored;
+};
+
+/// The store operations of the protocol, through one connection. A store
+/// that does not answer raises FaultToleranceError ("lost the job's store").
 class Membership {
  public:
-  explicit Membership(c10::intrusive_ptr<c10d::Store> store);
+  /// `prefix`: the job's key prefix (JobStore::key_prefix).
+  Membership(std::unique_ptr<store::StoreClient> client, const std::string& prefix,
+             Signer signer);
+  ~Membership();
+
+  Epoch latest();
+  /// Proposes `members` for the epoch after `after` (the latest read);
+  /// returns the latest after the attempt: this proposal, another one for
+  /// the same epoch, or a later epoch.
+  Epoch decide(const Epoch& after, const std::vector<Member>& members);
+  /// Epoch `epoch`'s members once decided, within `wait`.
+  std::optional<std::vector<Member>> await_members(int64_t epoch, std::chrono::milliseconds wait);
 
   void arrive(int64_t epoch, const Member& me);
-  /// Those that arrived for `epoch`, of the ranks 0..slots-1.
-  std::vector<Member> arrivals(int64_t epoch, int slots);
+  /// Those that arrived for `epoch`, with their proofs checked (one read).
+  std::vector<Member> arrivals(int64_t epoch);
+  /// Until each of `members` has arrived for `epoch` (one wait, answered by
+  /// the store at the last arrival), at most `wait`.
+  bool await_arrivals(int64_t epoch, const std::vector<Member>& members,
+                      std::chrono::milliseconds wait);
   bool wanted(int64_t epoch);
-  /// The decided members of `epoch`, once decided.
-  std::optional<std::vector<Member>> members(int64_t epoch);
-  /// Proposes `members`; returns the decided ones (these or an earlier
-  /// proposal).
-  std::vector<Member> decide_members(int64_t epoch, const std::vector<Member>& members);
-  /// The latest epoch known to be decided (a hint that only grows).
-  int64_t latest_epoch();
-  void note_latest_epoch(int64_t epoch);
 
-  /// Counts this member's vote; returns the votes so far.
-  int64_t vote(int64_t epoch, int64_t step);
+  /// Counts this member's vote (with a secret, also signed under a key of
+  /// its own); returns the votes so far.
+  int64_t vote(int64_t epoch, int64_t step, const Member& me);
+  /// Whether every one of `members` voted on the step: the count alone,
+  /// which any store writer can add to, without a secret; each member's
+  /// signed vote with one.
+  bool all_voted(int64_t epoch, int64_t step, const std::vector<Member>& members, int64_t count);
   /// Proposes `decision` for the step; returns the decided one.
   std::string decide_step(int64_t epoch, int64_t step, const std::string& decision);
-  std::optional<std::string> decision(int64_t epoch, int64_t step);
-
-  /// Records that the loop ended, at `step`: a rank restarted later has
-  /// nothing to rejoin.
-  void finish(int64_t step);
-  std::optional<int64_t> finished();
+  /// The step's decision once made, within `wait`.
+  std::optional<std::string> await_decision(int64_t epoch, int64_t step,
+                                            std::chrono::milliseconds wait);
+  /// Deletes the keys of a step that every member has read.
+  void forget_step(int64_t epoch, int64_t step);
 
   /// Marks `epoch` as given up (the first reason stays); returns it.
   std::string abandon(int64_t epoch, const std::string& why);
-  std::optional<std::string> abandoned(int64_t epoch);
+  /// Deletes the keys of an epoch that nobody uses any more.
+  void retire(int64_t epoch);
+  /// Retires every epoch up to `epoch` not retired yet; returns them.
+  std::vector<int64_t> retire_through(int64_t epoch);
 
-  c10d::Store& store() {
-    return *store_;
-  }
+  /// The sender of the live state in `epoch` says what it sent.
+  void announce_state(int64_t epoch, int source, int64_t step, const std::string& digest);
+  /// Whether the sender's announcement for `epoch` (awaited at most
+  /// `wait`) matches what was received.
+  bool state_matches(int64_t epoch, int source, int64_t step, const std::string& digest,
+                     std::chrono::milliseconds wait);
+
+  void note_lineage(int64_t epoch);
+  int64_t lineage();
+
+  /// Whether the job's loop has ended (a rank exited with 0).
+  bool finished();
+  /// Records that this restarted rank found the loop ended (lockstep-run
+  /// then counts its exit as no failure).
+  void left(int replica, int incarnation);
+
+  /// The claim a signed value proves ("<prefix><what>|<body>": bound to
+  /// the job's attempt by its key prefix), and the value.
+  std::string sign(const std::string& what, const std::string& body) const;
+  /// The body of a signed value, or FaultToleranceError naming `key`.
+  std::string open(const std::string& what, const std::string& key,
+                   const std::string& value) const;
 
  private:
-  std::optional<std::string> read(const std::string& key);
-  std::string compare_set(const std::string& key, const std::string& value);
-  c10::intrusive_ptr<c10d::Store> store_;
+  std::string claim(const std::string& what, const std::string& body) const;
+
+  std::unique_ptr<store::StoreClient> client_;
+  std::string prefix_; // "<job prefix>/ft/"
+  Signer signer_;
+  // The highest epoch and lineage read: a value that goes back is an old
+  // signed value put back by a store writer, and is refused.
+  int64_t highest_epoch_ = -1;
+  int64_t highest_lineage_ = -1;
 };
+
+/// The values lockstep-run writes and reads (tools/lockstep-run).
+constexpr const char* kFinished = "ended";
+constexpr const char* kLeft = "left";
+
+std::string epoch_key(int64_t epoch, const std::string& key);
+std::string step_key(int64_t epoch, int64_t step, const std::string& key);
 
 } // namespace lockstep::detail

@@ -1,14 +1,19 @@
 // Re-forming the world: after a failure, or to take in a rank that asks.
-// The ranks that want to train announce themselves for the next epoch; the
-// first to see every member of the last one accounted for decides who is
-// in; the members form a world of their own from the job's store; and a
-// rank that is behind receives the live state from the member that holds
-// the most committed steps.
+// The ranks that want to train announce themselves for the epoch after the
+// latest; one of them (the live member of the last world with the lowest
+// rank) decides who is in once every member of the last world has come or
+// is seen failed, by a compare-and-set over the latest epoch; the members
+// form a world of their own from the job's store; and a rank that is
+// behind receives the live state from the member that holds it, and checks
+// it against its sender's proof before it loads any of it.
 
 #include <algorithm>
 #include <future>
+#include <limits>
+#include <sstream>
 #include <thread>
 
+#include <torch/serialize.h>
 #include <torch/utils.h>
 
 #include "common/splitmix.h"
@@ -18,48 +23,61 @@
 #include "reducer/model_state.h"
 #include "world/broadcast_bytes.h"
 #include "world/epoch_world.h"
+#include "compat/c10d.h"
+#include "world/job_secret.h"
 
 namespace lockstep {
 
 using detail::Member;
 using detail::WorldAccess;
 
+namespace {
+
+bool same_process(const Member& a, const Member& b) {
+  return a.replica == b.replica && a.incarnation == b.incarnation;
+}
+
+std::string world_scope(int64_t epoch) {
+  return detail::epoch_key(epoch, "world");
+}
+
+} // namespace
+
 void FaultTolerance::Impl::reform() {
   auto start = Clock::now();
   auto deadline = start + options.timeout();
-  int64_t target = std::max(epoch + 1, membership->latest_epoch() + 1);
   while (true) {
-    int newest = liveness->incarnation_of(me.replica);
-    LOCKSTEP_ENFORCE(
-        newest <= me.incarnation, FaultToleranceError, "rank ", me.replica, " (incarnation ",
-        me.incarnation, ", pid ", me.identity.pid, ") is refused: its rank was restarted "
-        "since, as incarnation ", newest, ", which trains in its place. This process is "
-        "stale (it was stopped or cut off for longer than the heartbeat timeout) and ends.");
-    me.step = holds_state ? committed : -1;
-    me.proof = WorldAccess::prove(base, proof_message(target));
-    membership->arrive(target, me);
-    auto decided = await_members(target, deadline);
-    bool in = std::any_of(decided.begin(), decided.end(), [&](const Member& m) {
-      return m.replica == me.replica && m.incarnation == me.incarnation;
-    });
-    if (!in) {
-      target = std::max(target + 1, membership->latest_epoch() + 1);
-      continue;
+    if (auto newer = liveness->replaced_by()) {
+      LOCKSTEP_FAIL(FaultToleranceError, "rank ", me.replica, " (incarnation ", me.incarnation,
+                    ", pid ", me.identity.pid, ") is refused: its rank was restarted since, as "
+                    "incarnation ", *newer, ", which trains in its place. This process is "
+                    "stale (it was stopped or cut off for longer than the heartbeat timeout) "
+                    "and ends.");
     }
-    membership->note_latest_epoch(target);
+    me.step = holds_state ? committed : -1;
+    progress(detail::Phase::Dropped);
+    auto next_epoch = agreement->next_epoch(me, deadline);
+    if (!next_epoch ||
+        std::none_of(next_epoch->second.begin(), next_epoch->second.end(),
+                     [&](const Member& m) { return same_process(m, me); })) {
+      continue; // a world formed without this rank: the next one takes it in
+    }
+    auto [target, decided] = *next_epoch;
     try {
       auto next = form(target, decided);
-      liveness->watch(target, decided, next);
-      bring_up_to_date(next, decided);
+      watch_world(target, decided, next);
+      bring_up_to_date(next, decided, target);
       reducer->adopt_world(next);
       world = next;
     } catch (const FaultToleranceError&) {
       throw;
-    } catch (const Error& e) {
-      auto why = membership->abandon(target, detail::first_line(e.what()));
+    } catch (const std::exception& e) {
+      // Whatever failed (lockstep's errors, Gloo's or c10d's while the
+      // group forms), the world of this epoch is given up on every rank.
+      auto why = detail::give_up(*membership, *liveness, target,
+                                 detail::first_line(detail::describe_exception(e)));
       say(detail::str("the world of epoch ", target, " did not form: ", why));
       reducer->take_failure();
-      target = std::max(target + 1, membership->latest_epoch() + 1);
       LOCKSTEP_ENFORCE(Clock::now() < deadline, FaultToleranceError, "rank ", me.replica,
                        ": no world formed within FaultToleranceOptions::timeout (",
                        detail::seconds(options.timeout()), "); the last attempt failed: ",
@@ -68,7 +86,16 @@ void FaultTolerance::Impl::reform() {
     }
     epoch = target;
     members = decided;
+    me.trained = target;
     need_reform = false;
+    if (world.rank() == 0) {
+      // The epochs before last are no one's any more: their keys, their
+      // worlds' keys and ledgers go.
+      membership->note_lineage(target);
+      for (auto old : membership->retire_through(target - 2)) {
+        WorldAccess::retire(base, world_scope(old));
+      }
+    }
     break;
   }
   double seconds = std::chrono::duration<double>(Clock::now() - start).count();
@@ -76,66 +103,13 @@ void FaultTolerance::Impl::reform() {
   stats.reform_seconds += seconds;
   stats.last_reform_seconds = seconds;
   say(detail::str("trains on in epoch ", epoch, " as rank ", world.rank(), " of ", world.size(),
-                  " (launcher ", detail::describe(members), ") from step ", committed, "; formed in ",
-                  static_cast<int>(seconds * 1000), " ms"));
-}
-
-std::vector<Member> FaultTolerance::Impl::await_members(int64_t target,
-                                                        Clock::time_point deadline) {
-  std::vector<Member> expected;
-  if (target > 0) {
-    if (auto before = membership->members(target - 1)) {
-      expected = *before;
-    }
-  }
-  while (true) {
-    if (auto decided = membership->members(target)) {
-      return *decided;
-    }
-    if (!holds_state) {
-      auto finished = membership->finished();
-      LOCKSTEP_ENFORCE(!finished, FaultToleranceError, "rank ", me.replica, " was restarted "
-                       "to rejoin, but the job's other ranks finished their loop at step ",
-                       finished.value_or(0), ": there is no training left to rejoin.");
-    }
-    std::vector<Member> candidates;
-    for (const auto& arrival : membership->arrivals(target, slots)) {
-      bool genuine = WorldAccess::proven(
-          base, detail::str("e", target, "|", arrival.replica, "|", arrival.incarnation),
-          arrival.proof);
-      if (genuine && !liveness->failed(arrival) &&
-          arrival.incarnation >= liveness->incarnation_of(arrival.replica)) {
-        candidates.push_back(arrival);
-      }
-    }
-    bool all_known = std::all_of(expected.begin(), expected.end(), [&](const Member& m) {
-      bool arrived = std::any_of(candidates.begin(), candidates.end(),
-                                 [&](const Member& c) { return c.replica == m.replica; });
-      return arrived || liveness->failed(m).has_value();
-    });
-    bool state_lives = std::any_of(candidates.begin(), candidates.end(),
-                                   [](const Member& c) { return c.step >= 0; });
-    LOCKSTEP_ENFORCE(
-        !all_known || state_lives || candidates.empty(), FaultToleranceError, "rank ",
-        me.replica, ": every rank that held the trained state has failed (the last world was ",
-        detail::describe(expected), "), and the ranks restarted since have none to receive. Resume "
-        "the job from its last checkpoint (lockstep-run --restart all).");
-    if (all_known && state_lives &&
-        static_cast<int>(candidates.size()) >= options.min_world_size()) {
-      return membership->decide_members(target, candidates);
-    }
-    LOCKSTEP_ENFORCE(
-        Clock::now() < deadline, FaultToleranceError, "rank ", me.replica, ": ",
-        candidates.size(), " rank(s) can train, fewer than min_world_size ",
-        options.min_world_size(), ", and no other came back within "
-        "FaultToleranceOptions::timeout (", detail::seconds(options.timeout()), ").");
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
+                  " (launcher ", detail::describe(members), ") from step ", committed,
+                  "; formed in ", static_cast<int>(seconds * 1000), " ms"));
 }
 
 World FaultTolerance::Impl::form(int64_t target, const std::vector<Member>& decided) {
   int rank = 0;
-  while (decided[rank].replica != me.replica) {
+  while (!same_process(decided[rank], me)) {
     ++rank;
   }
   // On a thread: a member that dies while the others wait for it in the
@@ -149,7 +123,7 @@ World FaultTolerance::Impl::form(int64_t target, const std::vector<Member>& deci
   auto forming = std::make_shared<Forming>();
   auto result = forming->formed.get_future();
   std::thread([forming, base = base, rank, size = static_cast<int>(decided.size()),
-               scope = detail::epoch_key(target, "world")] {
+               scope = world_scope(target)] {
     try {
       auto formed = WorldAccess::form(base, rank, size, scope);
       if (forming->given_up) {
@@ -163,13 +137,10 @@ World FaultTolerance::Impl::form(int64_t target, const std::vector<Member>& deci
   while (result.wait_for(std::chrono::milliseconds(5)) != std::future_status::ready) {
     std::string why;
     for (const auto& member : decided) {
-      if (auto failure = liveness->failed(member)) {
-        why = *failure;
+      if (auto failure = liveness->failed(member.replica, member.incarnation)) {
+        why = member.describe() + " failed: " + *failure;
         break;
       }
-    }
-    if (why.empty()) {
-      why = membership->abandoned(target).value_or("");
     }
     if (!why.empty()) {
       forming->given_up = true;
@@ -179,39 +150,89 @@ World FaultTolerance::Impl::form(int64_t target, const std::vector<Member>& deci
   return result.get();
 }
 
-void FaultTolerance::Impl::bring_up_to_date(World& next, const std::vector<Member>& decided) {
-  int source = 0;
-  for (int rank = 1; rank < static_cast<int>(decided.size()); ++rank) {
-    if (decided[rank].step > decided[source].step) {
-      source = rank;
-    }
-  }
-  int64_t live_step = decided[source].step;
-  TORCH_INTERNAL_ASSERT(live_step >= 0, "a world is decided only with a rank that holds state");
-  bool anyone_behind = std::any_of(decided.begin(), decided.end(),
-                                   [&](const Member& m) { return m.step != live_step; });
-  if (!anyone_behind) {
+namespace {
+
+// The bytes of `tensor` (as sent), into `digest`.
+void add_tensor(detail::Digest& digest, const at::Tensor& tensor) {
+  auto bytes = tensor.contiguous().to(at::kCPU);
+  digest.add(bytes.data_ptr(), static_cast<size_t>(bytes.nbytes()));
+}
+
+} // namespace
+
+void FaultTolerance::Impl::bring_up_to_date(World& next, const std::vector<Member>& decided,
+                                            int64_t target) {
+  int source = detail::live_state_source(decided);
+  TORCH_INTERNAL_ASSERT(source >= 0, "a world is decided only with a rank that holds state");
+  const auto& sender = decided[static_cast<size_t>(source)];
+  if (std::none_of(decided.begin(), decided.end(),
+                   [&](const Member& m) { return detail::behind(m, sender); })) {
     return;
   }
-  bool behind = !holds_state || committed != live_step;
+  bool behind = !holds_state || detail::behind(me, sender);
   if (behind) {
-    holds_state = false; // until all of it has arrived
+    holds_state = false; // until all of it has arrived, and checked out
   }
-  std::string what = detail::str("the live state of rank ", decided[source].replica, " at step ",
-                                 live_step);
-  detail::broadcast_from(next, source, reducer->replica_tensors(), what);
-  std::string bytes = next.rank() == source ? detail::optimizer_bytes(optimizer) : "";
-  detail::broadcast_bytes(next, source, bytes, "the optimizer's state of " + what);
+  std::string what = detail::str("the live state of rank ", sender.replica, " at step ",
+                                 sender.step);
+  auto tensors = reducer->replica_tensors();
+  auto flats = detail::broadcast_flat(next, source, tensors, what);
+  std::string optimizer_state = next.rank() == source ? detail::optimizer_bytes(optimizer) : "";
+  detail::broadcast_bytes(next, source, optimizer_state, "the optimizer's state of " + what);
+  std::string program_state;
+  if (next.rank() == source) {
+    torch::serialize::OutputArchive archive;
+    for (const auto& state : user_states) {
+      torch::serialize::OutputArchive part;
+      state.save(part);
+      archive.write(state.name, part);
+    }
+    std::ostringstream out;
+    archive.save_to(out);
+    program_state = out.str();
+  }
+  detail::broadcast_bytes(next, source, program_state, "the program's state of " + what);
+  detail::Digest digest;
+  digest.add(&sender.step, sizeof(sender.step));
+  for (const auto& flat : flats) {
+    add_tensor(digest, flat);
+  }
+  digest.add(optimizer_state.data(), optimizer_state.size());
+  digest.add(program_state.data(), program_state.size());
+  auto digest_text = digest.finish();
+  if (next.rank() == source) {
+    membership->announce_state(target, sender.replica, sender.step, digest_text);
+  }
   if (behind) {
-    detail::load_optimizer_bytes(optimizer, bytes);
+    LOCKSTEP_ENFORCE(
+        membership->state_matches(target, sender.replica, sender.step, digest_text,
+                                  options.timeout()),
+        FaultToleranceError, "rank ", me.replica, ": ", what, " does not match what its "
+        "sender announced in the job's store (a process without the job secret, or a "
+        "corrupted transfer): this rank refuses to load it and ends.");
+    detail::unflatten_into(tensors, flats);
+    detail::load_optimizer_bytes(optimizer, optimizer_state);
+    if (!user_states.empty()) {
+      torch::serialize::InputArchive archive;
+      std::istringstream in(program_state);
+      archive.load_from(in);
+      for (const auto& state : user_states) {
+        torch::serialize::InputArchive part;
+        LOCKSTEP_ENFORCE(archive.try_read(state.name, part), FaultToleranceError, "rank ",
+                         me.replica, ": the state registered as '", state.name, "' did not "
+                         "come with ", what, ": register the same names on every rank.");
+        state.load(part);
+      }
+    }
     // Its own stream: from the job's seed, its launcher rank and the step.
     uint64_t state = options.seed();
     state ^= detail::splitmix64(state) ^ static_cast<uint64_t>(me.replica);
-    state ^= detail::splitmix64(state) ^ static_cast<uint64_t>(live_step);
+    state ^= detail::splitmix64(state) ^ static_cast<uint64_t>(sender.step);
     torch::manual_seed(detail::splitmix64(state));
-    say(detail::str("received ", what, " (model, optimizer state, step)"));
+    say(detail::str("received ", what, " (model, optimizer state, step",
+                    user_states.empty() ? "" : ", program state", ")"));
   }
-  committed = live_step;
+  committed = sender.step;
   holds_state = true;
 }
 

@@ -123,6 +123,19 @@ at::Tensor ShardedOptimizer::piece_tensor(const ZeroPiece& piece) const {
 }
 
 void ShardedOptimizer::point_piece_gradients() {
+  // A piece of a parameter is a view of its memory; loading a module
+  // (torch::load, set_) gives the parameter other memory. The view is
+  // pointed there again, the same tensor, so that the optimizer's state for
+  // it stays.
+  for (size_t i = 0; i < mine_.size(); ++i) {
+    const auto& piece = pieces_[mine_[i]];
+    const auto& param = all_parameters()[piece.param];
+    if (!shard_[i].is_same(param) && !shard_[i].is_alias_of(param)) {
+      at::NoGradGuard no_grad;
+      shard_[i].set_(param.storage(), param.storage_offset() + piece.offset, {piece.length},
+                     {1});
+    }
+  }
   for (size_t i = 0; i < mine_.size(); ++i) {
     const auto& piece = pieces_[mine_[i]];
     const auto& param = all_parameters()[piece.param];

@@ -23,6 +23,11 @@ void Reducer::step_in_backward(ParameterStep step, const StepInBackwardOptions& 
                    "ParameterStep that steps the parameters it is given.");
   state.require_before_first_forward(
       "step_in_backward", "every rank must step its parameters in the same iterations");
+  LOCKSTEP_ENFORCE(
+      !state.tolerating, UsageError, "step_in_backward cannot be used under "
+      "lockstep::FaultTolerance: a step whose reduction fails on another rank must leave the "
+      "parameters untouched, and these would have stepped already. Call optimizer.step() when "
+      "ft.commit() returns true instead.");
   LOCKSTEP_ENFORCE(!state.in_backward_step, UsageError, "an optimizer already steps inside "
                    "backward for this DistributedDataParallel; registering a second would "
                    "step every parameter twice. Register one, once.");

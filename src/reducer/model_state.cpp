@@ -1,6 +1,7 @@
 #include "reducer/model_state.h"
 
 #include <cstring>
+#include <algorithm>
 #include <map>
 #include <tuple>
 #include <unordered_set>
@@ -181,15 +182,37 @@ void check_replicas_agree(World& world, const std::vector<ReplicaEntry>& state) 
   }
 }
 
-void broadcast_from(
+namespace {
+
+// The tensors grouped by dtype and device, in their order of first
+// appearance: each group travels as one flat tensor.
+std::vector<std::vector<at::Tensor>> groups_of(const std::vector<at::Tensor>& tensors) {
+  std::vector<std::pair<std::pair<int, std::string>, std::vector<at::Tensor>>> groups;
+  for (const auto& tensor : tensors) {
+    std::pair<int, std::string> kind{static_cast<int>(tensor.scalar_type()),
+                                     tensor.device().str()};
+    auto found = std::find_if(groups.begin(), groups.end(),
+                              [&](const auto& group) { return group.first == kind; });
+    if (found == groups.end()) {
+      groups.push_back({kind, {}});
+      found = groups.end() - 1;
+    }
+    found->second.push_back(tensor);
+  }
+  std::vector<std::vector<at::Tensor>> result;
+  for (auto& group : groups) {
+    result.push_back(std::move(group.second));
+  }
+  return result;
+}
+
+} // namespace
+
+std::vector<at::Tensor> broadcast_flat(
     World& world, int root, const std::vector<at::Tensor>& tensors, const std::string& what) {
   at::NoGradGuard no_grad;
-  std::map<std::pair<int, std::string>, std::vector<at::Tensor>> groups;
-  for (const auto& tensor : tensors) {
-    groups[{static_cast<int>(tensor.scalar_type()), tensor.device().str()}]
-        .push_back(tensor);
-  }
-  for (auto& [kind, group] : groups) {
+  std::vector<at::Tensor> flats;
+  for (const auto& group : groups_of(tensors)) {
     std::vector<at::Tensor> flat_parts;
     for (const auto& tensor : group) {
       flat_parts.push_back(tensor.detach().reshape({-1}));
@@ -199,15 +222,28 @@ void broadcast_from(
     description << "broadcast of " << what << " (" << flat.scalar_type() << ", "
                 << flat.numel() << " elements)";
     world.broadcast(flat, root, description.str());
-    if (world.rank() == root) {
-      continue;
-    }
+    flats.push_back(flat);
+  }
+  return flats;
+}
+
+void unflatten_into(const std::vector<at::Tensor>& tensors, const std::vector<at::Tensor>& flats) {
+  at::NoGradGuard no_grad;
+  auto groups = groups_of(tensors);
+  for (size_t g = 0; g < groups.size(); ++g) {
     int64_t offset = 0;
-    for (auto& tensor : group) {
-      tensor.detach().copy_(
-          flat.narrow(0, offset, tensor.numel()).view(tensor.sizes()));
+    for (auto& tensor : groups[g]) {
+      tensor.detach().copy_(flats[g].narrow(0, offset, tensor.numel()).view(tensor.sizes()));
       offset += tensor.numel();
     }
+  }
+}
+
+void broadcast_from(
+    World& world, int root, const std::vector<at::Tensor>& tensors, const std::string& what) {
+  auto flats = broadcast_flat(world, root, tensors, what);
+  if (world.rank() != root) {
+    unflatten_into(tensors, flats);
   }
 }
 

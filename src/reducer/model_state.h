@@ -60,4 +60,11 @@ void check_replicas_agree(World& world, const std::vector<ReplicaEntry>& state);
 void broadcast_from(
     World& world, int root, const std::vector<at::Tensor>& tensors, const std::string& what);
 
+/// broadcast_from in two halves: rank `root`'s values, received as one flat
+/// tensor per dtype and device (in their order of first appearance), and
+/// then copied into `tensors` (for a receiver that checks them first).
+std::vector<at::Tensor> broadcast_flat(
+    World& world, int root, const std::vector<at::Tensor>& tensors, const std::string& what);
+void unflatten_into(const std::vector<at::Tensor>& tensors, const std::vector<at::Tensor>& flats);
+
 } // namespace lockstep::detail

@@ -123,20 +123,35 @@ std::vector<size_t> Reducer::State::dense_only(const std::vector<size_t>& order)
 }
 
 void Reducer::State::install_hooks(size_t first) {
-  std::weak_ptr<State> weak = shared_from_this();
   for (size_t index = first; index < params.size(); ++index) {
-    auto accumulator = torch::autograd::impl::grad_accumulator(params[index]);
-    accumulator->add_post_hook(
-        std::make_unique<torch::autograd::utils::LambdaPostHook>(
-            [weak, index](
-                const torch::autograd::variable_list& outputs,
-                const torch::autograd::variable_list& /*inputs*/) {
-              if (auto state = weak.lock()) {
-                state->on_gradient(index);
-              }
-              return outputs;
-            }));
-    accumulators.push_back(std::move(accumulator));
+    accumulators.push_back(hook_accumulator(index));
+  }
+}
+
+std::shared_ptr<torch::autograd::Node> Reducer::State::hook_accumulator(size_t index) {
+  std::weak_ptr<State> weak = shared_from_this();
+  auto accumulator = torch::autograd::impl::grad_accumulator(params[index]);
+  accumulator->add_post_hook(
+      std::make_unique<torch::autograd::utils::LambdaPostHook>(
+          [weak, index](
+              const torch::autograd::variable_list& outputs,
+              const torch::autograd::variable_list& /*inputs*/) {
+            if (auto state = weak.lock()) {
+              state->on_gradient(index);
+            }
+            return outputs;
+          }));
+  return accumulator;
+}
+
+void Reducer::State::rehook_replaced_accumulators() {
+  // Loading a module (torch::load, which calls set_ on each parameter)
+  // gives a parameter a new gradient accumulator, without this hook: its
+  // gradients would never be averaged again, silently.
+  for (size_t index = 0; index < accumulators.size(); ++index) {
+    if (torch::autograd::impl::try_get_grad_accumulator(params[index]) != accumulators[index]) {
+      accumulators[index] = hook_accumulator(index);
+    }
   }
 }
 
@@ -227,6 +242,7 @@ void Reducer::before_forward() {
   std::lock_guard<std::mutex> lock(state.mutex);
   state.stats.last = IterationStats{};
   state.forward_start = Clock::now();
+  state.rehook_replaced_accumulators();
   state.sync_at_forward = state.sync_enabled;
   if (state.in_backward_step) {
     state.check_no_step_outside();

@@ -198,6 +198,12 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   void require_before_first_forward(const char* call, const char* why) const;
   /// Hooks the accumulators of params[first...].
   void install_hooks(size_t first);
+  /// Hooks the gradient accumulator of params[index]; returns it (held, or
+  /// autograd makes a new one without the hook).
+  std::shared_ptr<torch::autograd::Node> hook_accumulator(size_t index);
+  /// Hooks again the parameters that were given a new accumulator since
+  /// (a module loaded with torch::load).
+  void rehook_replaced_accumulators();
   void layout_buckets(const std::vector<size_t>& order);
   /// The parameters of `order` that go in buckets (the dense ones).
   std::vector<size_t> dense_only(const std::vector<size_t>& order) const;

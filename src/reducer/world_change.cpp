@@ -19,6 +19,11 @@ void Reducer::tolerate_failures() {
       !state.joining, UsageError, "lockstep::FaultTolerance cannot run inside a join guard: "
       "it gives each step's batch to the ranks that take part (lockstep::StepSampler), so "
       "no rank runs out of data before the others.");
+  LOCKSTEP_ENFORCE(
+      !state.communicates_in_forward, UsageError, "lockstep::FaultTolerance cannot take a "
+      "model with SyncBatchNorm: its statistics are reduced in forward, in the world the "
+      "module was converted with, which a failure replaces. Use BatchNorm (each rank's "
+      "statistics, broadcast with the buffers) under fault tolerance.");
   state.tolerating = true;
 }
 

@@ -2,6 +2,7 @@
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
+#include "store/client.h"
 #include "world/job_secret.h"
 #include "world/world_impl.h"
 
@@ -43,8 +44,38 @@ bool WorldAccess::standby(const World& world) {
   return world.impl_->config.standby;
 }
 
-c10::intrusive_ptr<c10d::Store> WorldAccess::store_connection(const World& world) {
-  return world.impl_->job_store->another_connection();
+bool WorldAccess::across_hosts(const World& world) {
+  return !world.impl_->config.single_host;
+}
+
+bool WorldAccess::has_secret(const World& world) {
+  return !world.impl_->config.secret.empty();
+}
+
+std::shared_ptr<Liveness> WorldAccess::liveness(const World& world,
+                                                std::chrono::milliseconds heartbeat_timeout) {
+  auto liveness = world.impl_->start_liveness();
+  liveness->set_heartbeat_timeout(heartbeat_timeout);
+  return liveness;
+}
+
+std::unique_ptr<store::StoreClient> WorldAccess::store_client(const World& world) {
+  return world.impl_->job_store->client();
+}
+
+const std::string& WorldAccess::key_prefix(const World& world) {
+  return world.impl_->job_store->key_prefix();
+}
+
+void WorldAccess::retire(const World& world, const std::string& scope) {
+  world.impl_->job_store->retire(scope);
+}
+
+void WorldAccess::watch_hangs(
+    const World& world, std::chrono::milliseconds timeout,
+    std::function<void(const std::vector<int>&, const std::string&)> report) {
+  world.impl_->hang_timeout = timeout;
+  world.impl_->on_hang = std::move(report);
 }
 
 World WorldAccess::form(const World& base, int rank, int size, const std::string& scope) {
@@ -53,6 +84,9 @@ World WorldAccess::form(const World& base, int rank, int size, const std::string
   impl->config = from.config;
   impl->config.rank = rank;
   impl->config.size = size;
+  // The rendezvous proofs name the world's own keys: a proof from an
+  // earlier world's rendezvous does not pass in this one.
+  impl->config.key_prefix = from.config.key_prefix + "/" + scope;
   // On one host every rank is local; across hosts the transport groups the
   // ranks by machine from their identities, whatever these say.
   impl->config.local_rank = from.config.single_host ? rank : 0;
@@ -61,8 +95,9 @@ World WorldAccess::form(const World& base, int rank, int size, const std::string
   impl->slots = from.slots;
   impl->job_store = from.job_store;
   impl->owns_job_store = false;
+  impl->liveness = from.liveness;
   impl->store = c10::make_intrusive<c10d::PrefixStore>(scope, from.job_store->another_connection());
-  impl->connect([&] { return impl->job_store->ledger_board_under(scope, impl->store, rank, size); });
+  impl->connect(scope);
   return World(std::move(impl));
 }
 

@@ -5,17 +5,23 @@
 // rank restarted since, form a new world among themselves from that store,
 // under keys of their own, and give up the old one without waiting for it.
 
+#include <chrono>
+#include <functional>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include <c10/util/intrusive_ptr.h>
 
 #include <lockstep/world.h>
 
-namespace c10d {
-class Store;
-} // namespace c10d
+namespace lockstep::store {
+class StoreClient;
+} // namespace lockstep::store
 
 namespace lockstep::detail {
+
+class Liveness;
 
 struct WorldAccess {
   /// The rank the launcher gave this process (the slot a restart refills).
@@ -31,16 +37,35 @@ struct WorldAccess {
   /// Whether init() gave this process a world of its own because it was
   /// restarted alone while the others go on (lockstep-run --restart rank).
   static bool standby(const World& world);
-  /// A connection of this process's own to the job's store (for a thread).
-  static c10::intrusive_ptr<c10d::Store> store_connection(const World& world);
+  /// Whether the job may span hosts (its store is reached over a network).
+  static bool across_hosts(const World& world);
+  /// Whether the job has a secret (WorldOptions::secret).
+  static bool has_secret(const World& world);
+  /// This process's part in the job's liveness, started if need be, with
+  /// `heartbeat_timeout` declared from now on.
+  static std::shared_ptr<Liveness> liveness(const World& world,
+                                            std::chrono::milliseconds heartbeat_timeout);
+  /// A connection of this process's own to the job's store, and the prefix
+  /// of the job's keys there.
+  static std::unique_ptr<store::StoreClient> store_client(const World& world);
+  static const std::string& key_prefix(const World& world);
+  /// Deletes what the world formed under `scope` left in the job's store
+  /// and beside it (JobStore::retire).
+  static void retire(const World& world, const std::string& scope);
+  /// A collective of `world` that waits `timeout` calls `report` once with
+  /// the ranks that have not reached it (hung, to fault tolerance).
+  static void watch_hangs(const World& world, std::chrono::milliseconds timeout,
+                          std::function<void(const std::vector<int>& ranks,
+                                             const std::string& what)> report);
   /// Collective among the `size` processes that call it with the same
   /// `scope`: a world over `base`'s job store in which this process is
   /// `rank`. Raises (RendezvousError, or the transport's) when a process
   /// does not come within the world's timeout.
   static World form(const World& base, int rank, int size, const std::string& scope);
   /// Every collective of `world`, waiting or to come, fails with
-  /// CollectiveError saying `why`; its connections are let go of, not
-  /// closed, since a stopped peer may hold them.
+  /// CollectiveError saying `why`; once the world is let go of, what it
+  /// held is released on a thread of its own (a stopped peer may hold its
+  /// Gloo threads until Gloo's timeout).
   static void abandon(const World& world, const std::string& why);
   /// Why `world` can run no collective, or "".
   static std::string broken(const World& world);

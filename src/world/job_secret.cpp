@@ -5,7 +5,7 @@
 #include <openssl/hmac.h>
 #include <openssl/rand.h>
 
-#include <c10/util/Exception.h>
+#include <stdexcept>
 
 namespace lockstep::detail {
 namespace {
@@ -28,7 +28,9 @@ std::string prove(const std::string& secret, const std::string& message) {
   auto* made = HMAC(EVP_sha256(), secret.data(), static_cast<int>(secret.size()),
                     reinterpret_cast<const unsigned char*>(message.data()), message.size(),
                     digest, &length);
-  TORCH_INTERNAL_ASSERT(made != nullptr, "HMAC-SHA256 failed");
+  if (made == nullptr) {
+    throw std::runtime_error("HMAC-SHA256 failed");
+  }
   return hex(digest, length);
 }
 
@@ -38,9 +40,35 @@ bool proven(const std::string& secret, const std::string& message, const std::st
       CRYPTO_memcmp(proof.data(), expected.data(), expected.size()) == 0;
 }
 
+std::string Digest::finish() {
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned int length = 0;
+  if (EVP_DigestFinal_ex(static_cast<EVP_MD_CTX*>(context_), digest, &length) != 1) {
+    throw std::runtime_error("SHA-256 failed");
+  }
+  return hex(digest, length);
+}
+
+Digest::Digest() : context_(EVP_MD_CTX_new()) {
+  if (context_ == nullptr ||
+      EVP_DigestInit_ex(static_cast<EVP_MD_CTX*>(context_), EVP_sha256(), nullptr) != 1) {
+    throw std::runtime_error("SHA-256 failed");
+  }
+}
+
+Digest::~Digest() {
+  EVP_MD_CTX_free(static_cast<EVP_MD_CTX*>(context_));
+}
+
+void Digest::add(const void* data, size_t size) {
+  EVP_DigestUpdate(static_cast<EVP_MD_CTX*>(context_), data, size);
+}
+
 std::string random_nonce() {
   unsigned char bytes[16];
-  TORCH_INTERNAL_ASSERT(RAND_bytes(bytes, sizeof(bytes)) == 1, "no random bytes");
+  if (RAND_bytes(bytes, sizeof(bytes)) != 1) {
+    throw std::runtime_error("no random bytes");
+  }
   return hex(bytes, sizeof(bytes));
 }
 

@@ -3,6 +3,7 @@
 // Proofs that a process holds the job's secret, without the secret on the
 // wire: HMAC-SHA256 over what is being claimed and a nonce of the job's.
 
+#include <cstddef>
 #include <string>
 
 namespace lockstep::detail {
@@ -15,5 +16,19 @@ bool proven(const std::string& secret, const std::string& message, const std::st
 
 /// 16 random bytes as hex.
 std::string random_nonce();
+
+/// SHA-256 over bytes added in turn, as hex.
+class Digest {
+ public:
+  Digest();
+  ~Digest();
+  Digest(const Digest&) = delete;
+  Digest& operator=(const Digest&) = delete;
+  void add(const void* data, size_t size);
+  std::string finish();
+
+ private:
+  void* context_;
+};
 
 } // namespace lockstep::detail

@@ -25,13 +25,15 @@ Ledger::Ledger(std::unique_ptr<LedgerBoard> board,
                int rank,
                std::vector<ProcessIdentity> peers,
                std::chrono::milliseconds timeout,
-               bool compare)
+               bool compare,
+               std::shared_ptr<Liveness> liveness)
     : board_(std::move(board)),
       rank_(rank),
       size_(static_cast<int>(peers.size())),
       peers_(std::move(peers)),
       timeout_(timeout),
-      compare_(compare) {}
+      compare_(compare),
+      liveness_(std::move(liveness)) {}
 
 void Ledger::arrive(uint64_t seq, const std::string& what) {
   try {
@@ -104,8 +106,8 @@ void Ledger::check_peers(uint64_t seq, const std::string& what) {
     LOCKSTEP_FAIL(
         CollectiveError, "rank ", rank_, ": ", what, " #", seq, " cannot complete: ", silent,
         ". Either this host can no longer reach theirs (a network cut, or their host is "
-        "down), or their processes are stopped; if they still run, they name this rank "
-        "in turn.");
+        "down), or their processes are stopped or gone; if they still run, they name this "
+        "rank in turn.");
   }
   // Whoever waits on this rank from now on learns at once that it will not
   // come, and the store's host need not wait for it.
@@ -134,14 +136,8 @@ void Ledger::check_peers(uint64_t seq, const std::string& what) {
 }
 
 std::string Ledger::silent_peers(const std::map<int, Closed>& closed) {
-  std::lock_guard<std::mutex> lock(heartbeats_mutex_);
-  auto now = Clock::now();
-  if (now < next_heartbeat_check_) {
+  if (!liveness_) {
     return "";
-  }
-  next_heartbeat_check_ = now + kHeartbeatInterval;
-  if (heartbeats_.empty()) {
-    heartbeats_.assign(size_, {-1, now});
   }
   std::string silent;
   for (int rank = 0; rank < size_; ++rank) {
@@ -150,30 +146,12 @@ std::string Ledger::silent_peers(const std::map<int, Closed>& closed) {
         closed.count(rank) != 0) {
       continue;
     }
-    std::optional<int64_t> count;
-    try {
-      count = board_->heartbeats(rank);
-    } catch (const std::exception&) {
-      return ""; // the store's host is gone: the collective itself says so
-    }
-    if (!count) {
-      return ""; // this board carries no heartbeats
-    }
-    auto& [seen, since] = heartbeats_[rank];
-    if (*count != seen) {
-      seen = *count;
-      since = now;
-    } else if (now - since >= kHeartbeatSilence) {
+    if (auto why = liveness_->failed(peers_[rank].to_record())) {
       silent += str(silent.empty() ? "" : "; ", "rank ", rank, " (pid ", peers_[rank].pid,
-                    " on ", peers_[rank].host, ")");
+                    " on ", peers_[rank].host, "): ", *why);
     }
   }
-  if (silent.empty()) {
-    return "";
-  }
-  return silent + " sent no heartbeat for " +
-      std::to_string(std::chrono::duration_cast<std::chrono::seconds>(kHeartbeatSilence).count()) +
-      " s";
+  return silent;
 }
 
 bool Ledger::wait_until(const std::function<bool()>& ready,
@@ -216,6 +194,20 @@ std::string Ledger::attendance(uint64_t seq, bool failed) const {
   std::string text = "rank(s) " + rank_list(missing) + " never reached it (reached: " +
       rank_list(came) + ")";
   return failed ? text + ", most likely because it exited; its own output says why" : text;
+}
+
+std::vector<int> Ledger::missing(uint64_t seq) const {
+  std::vector<int> ranks;
+  try {
+    for (int rank = 0; rank < size_; ++rank) {
+      if (rank != rank_ && !board_->reached(rank, seq)) {
+        ranks.push_back(rank);
+      }
+    }
+  } catch (const std::exception&) {
+    return {};
+  }
+  return ranks;
 }
 
 void Ledger::close(uint64_t count, bool failed, const std::string& cause) {

@@ -19,17 +19,21 @@
 #include <vector>
 
 #include "world/ledger_board.h"
+#include "world/liveness.h"
 #include "world/process_identity.h"
 
 namespace lockstep::detail {
 
 class Ledger {
  public:
+  /// `liveness`, where the world spans hosts, judges its peers there (a
+  /// peer on this host is judged by its process); null on one host.
   Ledger(std::unique_ptr<LedgerBoard> board,
          int rank,
          std::vector<ProcessIdentity> peers,
          std::chrono::milliseconds timeout,
-         bool compare);
+         bool compare,
+         std::shared_ptr<Liveness> liveness);
 
   /// Records that this rank reached collective `seq` to do `what`. When
   /// comparing, waits for every rank's record and raises CollectiveError if
@@ -59,6 +63,10 @@ class Ledger {
   /// board knows it, and what that suggests.
   std::string attendance(uint64_t seq, bool failed = false) const;
 
+  /// The ranks that have not reached collective `seq` (none when the board
+  /// cannot be read).
+  std::vector<int> missing(uint64_t seq) const;
+
   /// Records that this rank closed its world having completed the first
   /// `count` collectives; `failed` when an error closes it.
   void close(uint64_t count, bool failed, const std::string& cause = "");
@@ -76,14 +84,10 @@ class Ledger {
   std::atomic<bool> compare_;
   uint64_t count_at_failure_ = 0;
 
-  // The peers of other machines whose heartbeats stopped for
-  // kHeartbeatSilence, as one phrase ("" for none); looks at most every
-  // kHeartbeatInterval.
+  // The peers of other machines that the job's liveness finds failed
+  // (fallen silent, or gone), as one phrase ("" for none).
   std::string silent_peers(const std::map<int, Closed>& closed);
-  std::mutex heartbeats_mutex_;
-  // Each peer's heartbeat count when last seen, and since when it is so.
-  std::vector<std::pair<int64_t, std::chrono::steady_clock::time_point>> heartbeats_;
-  std::chrono::steady_clock::time_point next_heartbeat_check_{};
+  std::shared_ptr<Liveness> liveness_;
 };
 
 } // namespace lockstep::detail

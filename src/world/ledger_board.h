@@ -1,9 +1,9 @@
 #pragma once
 
 // Where the ledger keeps its records. Across hosts, in the store; for a job
-// on one host, in a small file that every rank maps (the file store there
-// would grow by a record per collective, and a mapped word costs nothing to
-// read). The ledger's logic is the same over both.
+// on one host, in a small file that every rank maps (a mapped word costs
+// nothing to read, where the store is a round trip). The ledger's logic is
+// the same over both.
 
 #include <chrono>
 #include <cstdint>
@@ -44,31 +44,20 @@ class LedgerBoard {
   virtual void close(uint64_t count, bool failed, const std::string& cause) = 0;
   /// The ranks that closed, each with its count and whether it failed.
   virtual std::map<int, Closed> closed() = 0;
-  /// How many heartbeats `rank` has sent, where the board carries them
-  /// (across hosts, where a peer's pid cannot be checked): a count that
-  /// stops is a rank stopped, or a host that this one can no longer reach.
-  virtual std::optional<int64_t> heartbeats(int rank) {
-    (void)rank;
-    return std::nullopt;
-  }
 };
 
-/// How often a rank sends a heartbeat, and how long a silent peer is given
-/// before a wait names it.
-constexpr auto kHeartbeatInterval = std::chrono::seconds(1);
+/// How long a process of another host may fall silent before a wait names
+/// it (its heartbeat timeout in the job's liveness, world/liveness.h,
+/// unless fault tolerance declares its own).
 constexpr auto kHeartbeatSilence = std::chrono::seconds(5);
 
-/// Records as keys of `store` (already scoped to the job's ledger). With
-/// `heartbeat_store`, a connection to the same store of its own, a thread
-/// sends this rank's heartbeat through it every kHeartbeatInterval.
-std::unique_ptr<LedgerBoard> make_store_board(
-    c10::intrusive_ptr<c10d::Store> store,
-    int rank,
-    int size,
-    c10::intrusive_ptr<c10d::Store> heartbeat_store = {});
+/// Records as keys of `store` (already scoped to the world's ledger).
+std::unique_ptr<LedgerBoard> make_store_board(c10::intrusive_ptr<c10d::Store> store,
+                                             int rank,
+                                             int size);
 
-/// Records in the file at `path`, which rank 0 created with
-/// create_mapped_board and every rank maps.
+/// Records in the file at `path`, which every rank of the world creates
+/// (or finds) with create_mapped_board, then maps.
 std::unique_ptr<LedgerBoard> open_mapped_board(const std::string& path, int rank, int size);
 void create_mapped_board(const std::string& path, int size);
 

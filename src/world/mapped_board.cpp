@@ -107,7 +107,9 @@ class MappedBoard : public LedgerBoard {
 } // namespace
 
 void create_mapped_board(const std::string& path, int size) {
-  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  // Every rank of the world creates it or finds it (they race, and each
+  // sets the same size, which keeps what another wrote).
+  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
   bool sized = fd >= 0 && ::ftruncate(fd, static_cast<off_t>(board_bytes(size))) == 0;
   int error = errno;
   if (fd >= 0) {

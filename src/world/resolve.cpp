@@ -1,5 +1,7 @@
 #include "world/resolve.h"
 
+#include "store/endpoint.h"
+
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
@@ -331,6 +333,15 @@ WorldConfig resolve_world(const WorldOptions& options, const EnvLookup& env) {
   config.single_host = is_loopback_name(config.master_addr) ||
       (local_known && config.local_size == config.size);
   config.store = resolve_store(env, config);
+  if (auto endpoint = env("LOCKSTEP_STORE_ENDPOINT"); endpoint && !endpoint->empty()) {
+    try {
+      store::Endpoint::parse(*endpoint);
+    } catch (const std::invalid_argument& e) {
+      LOCKSTEP_FAIL(ConfigError, "LOCKSTEP_STORE_ENDPOINT=", e.what(), "; lockstep-run sets it "
+                    "for the ranks it starts: leave it unset otherwise.");
+    }
+    config.store_endpoint = *endpoint;
+  }
   return config;
 }
 

@@ -29,6 +29,9 @@ struct WorldConfig {
   /// Where the ranks meet: a file store in a private folder (one host, no
   /// socket) or a TCP store (rank 0's, or torchrun's agent's).
   enum class StoreKind { File, Tcp } store = StoreKind::Tcp;
+  /// Where lockstep-run serves the job's store (LOCKSTEP_STORE_ENDPOINT:
+  /// "unix:PATH" or "tcp:HOST:PORT"); empty when rank 0 serves it.
+  std::string store_endpoint;
   /// Prefix of every key this job writes to the store (PrefixStore adds "/").
   std::string key_prefix;
   /// The job's id, as in key_prefix.

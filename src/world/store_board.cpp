@@ -1,7 +1,3 @@
-#include <condition_variable>
-#include <mutex>
-#include <thread>
-
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "compat/c10d.h"
@@ -31,44 +27,10 @@ std::string closed_key(int rank) {
   return "closed/" + std::to_string(rank);
 }
 
-std::string heartbeat_key(int rank) {
-  return "heartbeat/" + std::to_string(rank);
-}
-
 class StoreBoard : public LedgerBoard {
  public:
-  StoreBoard(c10::intrusive_ptr<c10d::Store> store,
-             int rank,
-             int size,
-             c10::intrusive_ptr<c10d::Store> heartbeat_store)
-      : store_(std::move(store)), rank_(rank), size_(size), beats_(heartbeat_store) {
-    if (beats_) {
-      heartbeat_ = std::thread([this, heartbeat_store = std::move(heartbeat_store)] {
-        std::unique_lock<std::mutex> lock(heartbeat_mutex_);
-        while (!heartbeat_stop_) {
-          lock.unlock();
-          try {
-            heartbeat_store->add(heartbeat_key(rank_), 1);
-          } catch (const std::exception&) {
-            return; // the store is gone: this rank's own waits say so
-          }
-          lock.lock();
-          heartbeat_stopped_.wait_for(lock, kHeartbeatInterval, [&] { return heartbeat_stop_; });
-        }
-      });
-    }
-  }
-
-  ~StoreBoard() override {
-    stop_heartbeat();
-  }
-
-  std::optional<int64_t> heartbeats(int rank) override {
-    if (!beats_) {
-      return std::nullopt;
-    }
-    return store_->add(heartbeat_key(rank), 0);
-  }
+  StoreBoard(c10::intrusive_ptr<c10d::Store> store, int rank, int size)
+      : store_(std::move(store)), rank_(rank), size_(size) {}
 
   void post(uint64_t seq, const std::string& what) override {
     store_set(*store_, posted_key(seq, rank_), std::to_string(seq) + " " + what);
@@ -98,10 +60,6 @@ class StoreBoard : public LedgerBoard {
       return;
     }
     closed_here_ = true;
-    // Before the others can count this rank as closed, and the store's
-    // host leave: LibTorch 1.13's store client aborts the process when its
-    // server goes away under it.
-    stop_heartbeat();
     auto text = std::to_string(count) + (failed ? " failed" : "") +
         (cause.empty() ? "" : "\n" + cause);
     store_set(*store_, closed_key(rank_), text);
@@ -132,35 +90,14 @@ class StoreBoard : public LedgerBoard {
   int rank_;
   int size_;
   bool closed_here_ = false;
-
-  // Its own connection: joined, and so closed, when this rank closes. On a
-  // cut link its last add may block until the store's timeout, as the
-  // close record's write does anyway.
-  void stop_heartbeat() {
-    {
-      std::lock_guard<std::mutex> lock(heartbeat_mutex_);
-      heartbeat_stop_ = true;
-    }
-    heartbeat_stopped_.notify_all();
-    if (heartbeat_.joinable()) {
-      heartbeat_.join();
-    }
-  }
-  bool beats_;
-  std::mutex heartbeat_mutex_;
-  std::condition_variable heartbeat_stopped_;
-  bool heartbeat_stop_ = false;
-  std::thread heartbeat_;
 };
 
 } // namespace
 
 std::unique_ptr<LedgerBoard> make_store_board(c10::intrusive_ptr<c10d::Store> store,
                                              int rank,
-                                             int size,
-                                             c10::intrusive_ptr<c10d::Store> heartbeat_store) {
-  return std::make_unique<StoreBoard>(std::move(store), rank, size,
-                                      std::move(heartbeat_store));
+                                             int size) {
+  return std::make_unique<StoreBoard>(std::move(store), rank, size);
 }
 
 } // namespace lockstep::detail

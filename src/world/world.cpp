@@ -5,9 +5,9 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <exception>
-#include <tuple>
 #include <iostream>
 #include <mutex>
 #include <sstream>
@@ -27,11 +27,21 @@ World::Impl::~Impl() {
   close();
   if (abandoned) {
     // A peer that stopped (SIGSTOP) leaves Gloo's threads blocked in it
-    // until Gloo's own timeout, and destroying the group would join them:
-    // the abandoned world's connections are let go of, never destroyed.
-    (void)new auto(std::make_tuple(std::move(cpu_transport), std::move(cpu_backend),
-                                   std::move(cpu_group), std::move(cuda_transport),
-                                   std::move(cuda_backend), std::move(cuda_group)));
+    // until Gloo's own timeout, and destroying the group joins them: the
+    // abandoned world's transports and groups are destroyed on a thread of
+    // their own, which ends with them (at once when the peer died, since
+    // its connections closed).
+    std::thread([cpu_transport = std::move(cpu_transport), cpu_group = std::move(cpu_group),
+                 cpu_backend = std::move(cpu_backend), cuda_transport = std::move(cuda_transport),
+                 cuda_group = std::move(cuda_group),
+                 cuda_backend = std::move(cuda_backend)]() mutable {
+      cpu_transport.reset();
+      cuda_transport.reset();
+      cpu_group.reset();
+      cuda_group.reset();
+      cpu_backend.reset();
+      cuda_backend.reset();
+    }).detach();
   }
   // A program may end without running static destructors (_exit, a
   // fatal signal later): what the timeline holds should reach the file.
@@ -89,7 +99,9 @@ void complete_or_explain(
         "others waiting; raise the limit with LOCKSTEP_TIMEOUT (seconds) "
         "if it is only slow.\n  cause: ", cause);
   };
-  auto deadline = std::chrono::steady_clock::now() + config.timeout;
+  auto start = std::chrono::steady_clock::now();
+  auto deadline = start + config.timeout;
+  bool hang_reported = false;
   try {
     // In slices, so that a peer that closed its world or died is named
     // within a slice instead of at the timeout.
@@ -98,6 +110,14 @@ void complete_or_explain(
                        " was abandoned: ", impl.broken_because(), ".");
       if (impl.ledger) {
         impl.ledger->check_peers(seq, operation);
+        if (impl.on_hang && !hang_reported &&
+            std::chrono::steady_clock::now() - start >= impl.hang_timeout) {
+          hang_reported = true;
+          auto missing = impl.ledger->missing(seq);
+          if (!missing.empty()) {
+            impl.on_hang(missing, what);
+          }
+        }
       }
       if (std::chrono::steady_clock::now() >= deadline) {
         timed_out(work.stall());
@@ -409,12 +429,29 @@ std::vector<std::string> World::all_gather_strings(const std::string& value) {
   return values;
 }
 
-void World::Impl::connect(const std::function<std::unique_ptr<detail::LedgerBoard>()>& board) {
+std::shared_ptr<detail::Liveness> World::Impl::start_liveness() {
+  if (!liveness) {
+    liveness = std::make_shared<detail::Liveness>(
+        job_store->endpoint().value(), config.timeout,
+        detail::Liveness::Process{replica, config.incarnation, detail::this_process().to_record()},
+        detail::kHeartbeatSilence);
+  }
+  return liveness;
+}
+
+void World::Impl::connect(const std::string& scope) {
   std::vector<detail::ProcessIdentity> peers{detail::this_process()};
   if (config.size > 1) {
     peers = detail::join(store, config, job_store->nonce());
-    ledger = std::make_unique<detail::Ledger>(board(), config.rank, peers, config.timeout,
-                                              /*compare=*/config.debug == DebugLevel::Detail);
+    bool across_hosts = std::any_of(peers.begin(), peers.end(), [&](const auto& peer) {
+      return peer.machine != peers[config.rank].machine;
+    });
+    if (across_hosts) {
+      start_liveness();
+    }
+    ledger = std::make_unique<detail::Ledger>(
+        job_store->ledger_board(scope, store, config.rank, config.size), config.rank, peers,
+        config.timeout, /*compare=*/config.debug == DebugLevel::Detail, liveness);
   }
   if (config.size == 1) {
     cpu_transport = std::make_shared<detail::LocalTransport>();
@@ -444,7 +481,7 @@ World init(const WorldOptions& options) {
     impl->config.local_rank = 0;
     impl->config.local_size = 1;
   }
-  impl->connect([&] { return impl->job_store->ledger_board(impl->config.rank, impl->config.size); });
+  impl->connect("");
   if (impl->config.debug != DebugLevel::Off) {
     std::cerr << "lockstep INFO rank " << impl->config.rank << ": collectives of CPU tensors go "
               << "through " << impl->transport_description << std::endl;

@@ -16,6 +16,7 @@
 #include "transport/transport.h"
 #include "world/job_store.h"
 #include "world/ledger.h"
+#include "world/liveness.h"
 #include "world/rendezvous.h"
 #include "world/resolve.h"
 
@@ -57,6 +58,14 @@ struct World::Impl : std::enable_shared_from_this<World::Impl> {
   // gave up on (a timeout) does not count, since its peers wait in vain.
   std::atomic<uint64_t> completed_count{0};
   std::unique_ptr<detail::Ledger> ledger;
+  // This process's part in the job's liveness: started where a world spans
+  // hosts (the ledger judges the peers there by it) or for fault tolerance;
+  // shared by the worlds formed from this one.
+  std::shared_ptr<detail::Liveness> liveness;
+  // Fault tolerance's judge of hangs: a collective that waits this long
+  // names, once, the ranks that never reached it.
+  std::chrono::milliseconds hang_timeout{0};
+  std::function<void(const std::vector<int>& ranks, const std::string& what)> on_hang;
   uint64_t string_gather_count = 0;
   // Set by the first collective that fails here: its transport may still
   // hold it, and the ranks are out of step, so nothing after it can run.
@@ -70,8 +79,12 @@ struct World::Impl : std::enable_shared_from_this<World::Impl> {
   ~Impl();
 
   /// Collective among config.size processes: rendezvous in `store`, the
-  /// ledger on `board()`, Gloo and the transport of CPU tensors.
-  void connect(const std::function<std::unique_ptr<detail::LedgerBoard>()>& board);
+  /// ledger on the job store's board for `scope` ("" for init()'s world),
+  /// Gloo and the transport of CPU tensors.
+  void connect(const std::string& scope);
+
+  /// Starts this process's liveness if it has none yet.
+  std::shared_ptr<detail::Liveness> start_liveness();
 
   // Tells the others that this rank will reach no further collective, so
   // that one still waiting in one fails at once, naming this rank. The
@@ -87,6 +100,9 @@ struct World::Impl : std::enable_shared_from_this<World::Impl> {
         failed = failed || !broken.empty();
       }
       ledger->close(completed_count, failed);
+      if (liveness && owns_job_store && !failed) {
+        liveness->goodbye(); // this end is no failure
+      }
       if (owns_job_store && job_store->hosted_here()) {
         auto limit = std::chrono::steady_clock::now() +
             std::min<std::chrono::milliseconds>(config.timeout, std::chrono::seconds(10));
@@ -94,6 +110,9 @@ struct World::Impl : std::enable_shared_from_this<World::Impl> {
           std::this_thread::sleep_for(std::chrono::milliseconds(20));
         }
       }
+    }
+    if (liveness && owns_job_store) {
+      liveness->stop(); // before the store goes, where this process hosts it
     }
     if (job_store && owns_job_store) {
       job_store->close();

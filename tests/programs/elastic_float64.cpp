@@ -14,7 +14,13 @@
 // rejoined and holds the state), in PHASE:
 // begin (before begin_step), forward, backward (inside it, once the first
 // bucket has left), commit (before commit) or step (after commit, before
-// optimizer.step).
+// optimizer.step); or, in forward, hang (its training thread sleeps for
+// ever; its heartbeat goes on) or throw (an exception that main catches,
+// exiting with 1 as C++ programs do).
+// The learning rate follows a StepLR (halved every 50 steps) whose step
+// count is registered with FaultTolerance::register_state, so that a rank
+// that rejoins continues the schedule. LOCKSTEP_TEST_STEP_TIMEOUT_MS sets
+// FaultToleranceOptions::step_timeout.
 
 #include <unistd.h>
 
@@ -60,7 +66,7 @@ std::vector<Kill> planned_kills() {
 
 } // namespace
 
-int main(int argc, char** argv) {
+int train(int argc, char** argv) {
   int64_t steps = argc > 1 ? std::atoll(argv[1]) : 20;
   std::string out = argc > 2 ? argv[2] : ".";
   int pause_ms = argc > 3 ? std::atoi(argv[3]) : 0;
@@ -74,9 +80,18 @@ int main(int argc, char** argv) {
   bool whole = false;
   auto maybe_die = [&](const char* phase) {
     for (const auto& kill : kills) {
-      if (kill.replica == replica && kill.incarnation == incarnation && whole &&
-          now_step >= kill.step && kill.phase == phase) {
+      bool due = kill.replica == replica && kill.incarnation == incarnation && whole &&
+          now_step >= kill.step;
+      if (due && kill.phase == phase) {
         std::raise(SIGKILL);
+      }
+      if (due && std::string(phase) == "forward" && kill.phase == "hang") {
+        while (true) {
+          std::this_thread::sleep_for(std::chrono::hours(1));
+        }
+      }
+      if (due && std::string(phase) == "forward" && kill.phase == "throw") {
+        throw std::runtime_error("elastic_float64: a planned error in forward");
       }
     }
   };
@@ -92,11 +107,36 @@ int main(int argc, char** argv) {
   lockstep::DDP<lockstep::testing::Mlp> ddp(
       model, world, lockstep::DdpOptions().bucket_cap_mb(0.001).first_bucket_cap_mb(0.001));
   torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-  lockstep::FaultTolerance ft(ddp, optimizer,
-                              lockstep::FaultToleranceOptions()
-                                  .heartbeat_timeout(std::chrono::milliseconds(1000))
-                                  .min_world_size(min_world_size)
-                                  .timeout(timeout));
+  const char* step_timeout = std::getenv("LOCKSTEP_TEST_STEP_TIMEOUT_MS");
+  lockstep::FaultTolerance ft(
+      ddp, optimizer,
+      lockstep::FaultToleranceOptions()
+          .heartbeat_timeout(std::chrono::milliseconds(1000))
+          .step_timeout(std::chrono::milliseconds(step_timeout ? std::atoll(step_timeout)
+                                                               : 300000))
+          .min_world_size(min_world_size)
+          .timeout(timeout));
+  // The schedule moves with the model to a rank that rejoins: its step
+  // count is saved, and replayed on a fresh StepLR where it is loaded.
+  auto scheduler = std::make_unique<torch::optim::StepLR>(optimizer, 50, 0.5);
+  int64_t scheduled = 0;
+  ft.register_state(
+      "scheduler",
+      [&](torch::serialize::OutputArchive& archive) {
+        archive.write("steps", torch::tensor(scheduled));
+      },
+      [&](torch::serialize::InputArchive& archive) {
+        torch::Tensor steps;
+        archive.read("steps", steps);
+        // From the initial rate, whatever the optimizer's loading restored.
+        for (auto& group : optimizer.param_groups()) {
+          static_cast<torch::optim::SGDOptions&>(group.options()).lr(0.1);
+        }
+        scheduler = std::make_unique<torch::optim::StepLR>(optimizer, 50, 0.5);
+        for (scheduled = 0; scheduled < steps.item<int64_t>(); ++scheduled) {
+          scheduler->step();
+        }
+      });
   model->fc1->weight.register_hook([&](torch::Tensor grad) {
     maybe_die("backward");
     return grad;
@@ -125,6 +165,8 @@ int main(int argc, char** argv) {
     }
     maybe_die("step");
     optimizer.step();
+    scheduler->step();
+    ++scheduled;
     double sum = 0;
     for (const auto& param : model->parameters()) {
       sum += param.sum().item<double>();
@@ -150,4 +192,16 @@ int main(int argc, char** argv) {
               static_cast<long long>(stats.aborted_steps),
               static_cast<long long>(stats.worlds_formed));
   return 0;
+}
+
+int main(int argc, char** argv) {
+  try {
+    return train(argc, argv);
+  } catch (const lockstep::FaultToleranceError& e) {
+    std::fprintf(stderr, "elastic_float64: FaultToleranceError: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "elastic_float64: %s\n", e.what());
+    return 1;
+  }
 }

@@ -20,8 +20,10 @@ int main(int argc, char** argv) {
   }
   try {
     install_signal_forwarding();
+    int port = options.master_port != 0 ? options.master_port : pick_free_port();
+    LauncherStore store(options, port);
     for (int attempt = 0;; ++attempt) {
-      auto result = run_attempt(options, attempt);
+      auto result = run_attempt(options, attempt, port, store);
       if (result.outcome == Outcome::Succeeded) {
         return 0;
       }

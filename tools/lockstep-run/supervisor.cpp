@@ -75,7 +75,8 @@ bool failed(int status) {
   return WIFSIGNALED(status) || WEXITSTATUS(status) != 0;
 }
 
-void spawn(Rank& rank, const RunOptions& options, int local, int attempt, int port) {
+void spawn(Rank& rank, const RunOptions& options, int local, int attempt, int port,
+           const std::string& store_endpoint) {
   int world = options.nnodes * options.nproc_per_node;
   std::vector<std::string> env;
   for (char** entry = environ; *entry != nullptr; ++entry) {
@@ -98,6 +99,7 @@ void spawn(Rank& rank, const RunOptions& options, int local, int attempt, int po
   set("MASTER_ADDR", options.master_addr);
   set("MASTER_PORT", std::to_string(port));
   set("LOCKSTEP_RESTART_COUNT", std::to_string(attempt));
+  set("LOCKSTEP_STORE_ENDPOINT", store_endpoint);
   if (options.restart_rank) {
     set("LOCKSTEP_INCARNATION", std::to_string(rank.incarnation));
   }
@@ -227,6 +229,8 @@ void signal_all(std::vector<Rank>& ranks, int signo) {
   }
 }
 
+} // namespace
+
 int pick_free_port() {
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in address{};
@@ -244,8 +248,6 @@ int pick_free_port() {
   return ntohs(address.sin_port);
 }
 
-} // namespace
-
 void install_signal_forwarding() {
   if (::pipe2(signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) {
     throw std::runtime_error("pipe failed");
@@ -257,11 +259,12 @@ void install_signal_forwarding() {
   ::sigaction(SIGTERM, &action, nullptr);
 }
 
-AttemptResult run_attempt(const RunOptions& options, int attempt) {
+AttemptResult run_attempt(const RunOptions& options, int attempt, int port,
+                          LauncherStore& store) {
   if (!options.log_dir.empty()) {
     ::mkdir(options.log_dir.c_str(), 0755);
   }
-  int port = options.master_port != 0 ? options.master_port : pick_free_port();
+  store.begin_attempt(attempt);
   if (attempt == 0 && set_omp_threads(options)) {
     say("OMP_NUM_THREADS is not set: each of the " + std::to_string(options.nproc_per_node) +
         " ranks on this machine gets OMP_NUM_THREADS=1, so that they do not fight over the "
@@ -270,18 +273,20 @@ AttemptResult run_attempt(const RunOptions& options, int attempt) {
   std::vector<Rank> ranks(options.nproc_per_node);
   for (int local = 0; local < options.nproc_per_node; ++local) {
     ranks[local].global = options.node_rank * options.nproc_per_node + local;
-    spawn(ranks[local], options, local, attempt, port);
+    spawn(ranks[local], options, local, attempt, port, store.endpoint());
   }
 
   AttemptResult result;
   int restarts = 0; // of single ranks, with --restart rank
   // With --restart rank, once a rank has finished, the job is ending: a
-  // rank that fails then (a restarted one with nothing left to rejoin) is
-  // not restarted, and does not fail the job.
+  // rank that fails then is not restarted.
   bool finishing = false;
-  // A failure that ends the job once judged (at once, or with --restart
-  // rank after the grace period, unless the job is ending).
-  std::optional<std::string> last_failure;
+  // Failures that fail the job: a rank that failed and was not restarted
+  // (unless it was a restart that found the loop ended, which is no
+  // failure). Under --restart rank the others stop only if no rank
+  // finishes within the grace period; otherwise at once.
+  std::vector<std::string> failures;
+  std::optional<std::string> pending_failure;
   Clock::time_point judge_at;
   auto grace = std::chrono::duration_cast<Clock::duration>(
       std::chrono::duration<double>(options.grace_seconds));
@@ -292,6 +297,7 @@ AttemptResult run_attempt(const RunOptions& options, int attempt) {
   while (running > 0) {
     std::vector<pollfd> fds;
     fds.push_back({signal_pipe[0], POLLIN, 0});
+    fds.push_back({store.hung_fd(), POLLIN, 0});
     for (auto& rank : ranks) {
       fds.push_back({rank.output, POLLIN, 0});
     }
@@ -307,9 +313,20 @@ AttemptResult run_attempt(const RunOptions& options, int attempt) {
                                      std::chrono::duration<double>(options.grace_seconds));
       }
     }
+    // A rank that the others judged hung: its heartbeat goes on, its
+    // training does not. It is ended (and restarted like any failed rank).
+    for (const auto& hung : store.take_hung()) {
+      for (auto& rank : ranks) {
+        if (rank.running && rank.global == hung.slot && rank.incarnation == hung.incarnation) {
+          say("rank " + std::to_string(rank.global) + " was judged hung by the others (" +
+              hung.why + "); ending it");
+          ::kill(-rank.pid, SIGKILL);
+        }
+      }
+    }
     for (size_t i = 0; i < ranks.size(); ++i) {
       auto& rank = ranks[i];
-      if (rank.output < 0 || !(fds[i + 1].revents & (POLLIN | POLLHUP))) {
+      if (rank.output < 0 || !(fds[i + 2].revents & (POLLIN | POLLHUP))) {
         continue;
       }
       ssize_t got = ::read(rank.output, buffer, sizeof(buffer));
@@ -321,7 +338,7 @@ AttemptResult run_attempt(const RunOptions& options, int attempt) {
         carry(rank, "", 0, true);
         ::close(rank.output);
         rank.output = -1;
-        fds[i + 1].fd = -1;
+        fds[i + 2].fd = -1;
       }
     }
     for (auto& rank : ranks) {
@@ -330,42 +347,52 @@ AttemptResult run_attempt(const RunOptions& options, int attempt) {
       }
       rank.running = false;
       --running;
-      if (options.restart_rank && !failed(rank.status)) {
-        finishing = true;
+      if (!failed(rank.status)) {
+        if (options.restart_rank && !finishing) {
+          finishing = true;
+          store.job_finished(attempt);
+        }
+        continue;
       }
-      if (failed(rank.status) && !stopping && options.restart_rank && !finishing &&
-          restarts < options.max_restarts) {
+      if (stopping) {
+        continue;
+      }
+      std::string failure = "rank " + std::to_string(rank.global) + " " +
+          describe_exit(rank.status);
+      if (options.restart_rank && rank.incarnation > 0 &&
+          store.left(attempt, rank.global, rank.incarnation)) {
+        say(failure + " after it found the job's loop ended: nothing to rejoin");
+        continue;
+      }
+      if (options.restart_rank && !finishing && restarts < options.max_restarts) {
         ++restarts;
         ++rank.incarnation;
-        say("rank " + std::to_string(rank.global) + " " + describe_exit(rank.status) +
-            "; restarting it alone (restart " + std::to_string(restarts) + " of " +
+        say(failure + "; restarting it alone (restart " + std::to_string(restarts) + " of " +
             std::to_string(options.max_restarts) + "), the others go on");
         drain(rank);
-        spawn(rank, options, static_cast<int>(&rank - ranks.data()), attempt, port);
+        spawn(rank, options, static_cast<int>(&rank - ranks.data()), attempt, port,
+              store.endpoint());
         ++running;
         continue;
       }
-      if (failed(rank.status) && !stopping && options.restart_rank && !last_failure) {
-        // No restart left, or the job is ending (a restarted rank found
-        // nothing to rejoin): a rank that finishes within the grace period
-        // says it is.
-        last_failure = "rank " + std::to_string(rank.global) + " " + describe_exit(rank.status);
+      failures.push_back(failure);
+      if (options.restart_rank && !pending_failure) {
+        // No restart left, or the job is ending: the others go on, and are
+        // stopped only if none finishes within the grace period.
+        pending_failure = failure;
         judge_at = Clock::now() + grace;
-        continue;
-      }
-      if (failed(rank.status) && !stopping) {
-        last_failure = "rank " + std::to_string(rank.global) + " " + describe_exit(rank.status);
+      } else if (!options.restart_rank) {
+        pending_failure = failure;
         judge_at = Clock::now();
       }
     }
-    if (last_failure && finishing) {
-      say(*last_failure + "; not restarted, the job is ending");
-      last_failure.reset();
+    if (pending_failure && finishing) {
+      say(*pending_failure + "; the others finish, and the job fails");
+      pending_failure.reset();
     }
-    if (last_failure && !stopping && Clock::now() >= judge_at) {
-      say(*last_failure + "; stopping the other ranks");
-      last_failure.reset();
-      result = {Outcome::RankFailed, 0};
+    if (pending_failure && !stopping && Clock::now() >= judge_at) {
+      say(*pending_failure + "; stopping the other ranks");
+      pending_failure.reset();
       stopping = true;
       signal_all(ranks, SIGTERM);
       kill_at = Clock::now() + grace;
@@ -374,8 +401,10 @@ AttemptResult run_attempt(const RunOptions& options, int attempt) {
       signal_all(ranks, SIGKILL);
     }
   }
-  if (last_failure) { // the last rank to end failed, and none finished
-    say(*last_failure);
+  if (pending_failure) { // the last rank to end failed
+    say(*pending_failure);
+  }
+  if (result.outcome != Outcome::Interrupted && !failures.empty()) {
     result = {Outcome::RankFailed, 0};
   }
   for (auto& rank : ranks) {

@@ -3,6 +3,7 @@
 // Runs one attempt of a job's local ranks: spawns them, carries their
 // output, stops them all when one fails or a signal arrives.
 
+#include "launcher_store.h"
 #include "options.h"
 
 namespace lockstep::run {
@@ -21,6 +22,12 @@ struct AttemptResult {
 /// Installs the handlers that forward SIGINT and SIGTERM to the ranks.
 void install_signal_forwarding();
 
-AttemptResult run_attempt(const RunOptions& options, int attempt);
+/// One attempt of the job's ranks on this machine, on `port` (MASTER_PORT),
+/// with the job's store as `store` says.
+AttemptResult run_attempt(const RunOptions& options, int attempt, int port,
+                          LauncherStore& store);
+
+/// A free TCP port on this machine.
+int pick_free_port();
 
 } // namespace lockstep::run

@@ -1,0 +1,297 @@
+// A thousand ranks, simulated: N members run fault tolerance's real
+// agreement (src/fault/agreement.h), membership and liveness code, each on
+// threads and connections of its own, against the real job store, in one
+// process and with no model. Prints one CSV line:
+//
+//   members,latency_ms,heartbeat_ms,idle_ops_per_s,step_ops_per_s,
+//   agree_p50_ms,agree_p99_ms,store_cpu_ms_per_step,exit_detect_ms,
+//   exit_to_epoch_ms,stop_detect_ms,false_failures
+//
+//   ft_scale MEMBERS [STEPS=50] [LATENCY_MS=0] [HEARTBEAT_MS=2000]
+//
+// idle: store operations per second with the members only beating;
+// step: while they agree on steps back to back. agree: from the moment
+// every member may vote until the last one knows the decision, per step;
+// on this machine the N member threads share its cores with the store, so
+// store_cpu (the store thread's CPU time per agreed step) is also given: it
+// is what a step costs the store's host when the members run elsewhere.
+// exit_detect: from a member's process ending (its connection closes)
+// until every other member's liveness shows it; exit_to_epoch: until
+// every survivor knows the next epoch's members. stop_detect: a member
+// that falls silent (stopped), until every member sees it failed.
+// false_failures: failures seen of members that were alive. LATENCY_MS
+// holds every answer of the store that long (a slow store).
+
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "fault/agreement.h"
+#include "fault/membership.h"
+#include "store/client.h"
+#include "store/server.h"
+#include "world/liveness.h"
+
+namespace {
+
+using namespace lockstep;
+using Clock = std::chrono::steady_clock;
+
+double ms_between(Clock::time_point from, Clock::time_point to) {
+  return std::chrono::duration<double, std::milli>(to - from).count();
+}
+
+double percentile(std::vector<double> values, double p) {
+  std::sort(values.begin(), values.end());
+  auto index = static_cast<size_t>(p * static_cast<double>(values.size() - 1) + 0.5);
+  return values[std::min(index, values.size() - 1)];
+}
+
+// Releases every member at once, and waits until all are back.
+class Round {
+ public:
+  explicit Round(int members) : members_(members) {}
+  // The coordinator: starts round `round` and waits until all ended it.
+  void run(int round) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      round_ = round;
+      done_ = 0;
+    }
+    started_.notify_all();
+    std::unique_lock<std::mutex> lock(mutex_);
+    ended_.wait(lock, [&] { return done_ == members_; });
+  }
+  // A member: waits for round `round`.
+  void await(int round) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    started_.wait(lock, [&] { return round_ >= round; });
+  }
+  void done() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (++done_ == members_) {
+      ended_.notify_all();
+    }
+  }
+
+ private:
+  int members_;
+  std::mutex mutex_;
+  std::condition_variable started_;
+  std::condition_variable ended_;
+  int round_ = -1;
+  int done_ = 0;
+};
+
+struct Member {
+  detail::Member me;
+  std::shared_ptr<detail::Liveness> liveness;
+  std::unique_ptr<detail::Membership> membership;
+  std::unique_ptr<detail::Agreement> agreement;
+  Clock::time_point decided{};
+  std::atomic<int64_t> saw_exit_ns{0};
+  std::atomic<int64_t> saw_stop_ns{0};
+};
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
+      .count();
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: ft_scale MEMBERS [STEPS] [LATENCY_MS] [HEARTBEAT_MS]\n");
+    return 2;
+  }
+  int n = std::atoi(argv[1]);
+  int steps = argc > 2 ? std::atoi(argv[2]) : 50;
+  auto latency = std::chrono::milliseconds(argc > 3 ? std::atoi(argv[3]) : 0);
+  auto heartbeat = std::chrono::milliseconds(argc > 4 ? std::atoi(argv[4]) : 2000);
+  // Three connections a member, and the store's end of each.
+  rlimit files{};
+  getrlimit(RLIMIT_NOFILE, &files);
+  files.rlim_cur = files.rlim_max;
+  setrlimit(RLIMIT_NOFILE, &files);
+
+  auto folder = std::filesystem::temp_directory_path() /
+      ("lockstep-ft-scale-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(folder);
+  store::StoreServer server(
+      store::ServerOptions{store::Endpoint::unix_socket((folder / "store").string()), latency});
+  server.start();
+  auto endpoint = server.endpoint();
+  auto store_timeout = std::chrono::seconds(60);
+  detail::Signer signer{[](const std::string&) { return std::string("-"); },
+                        [](const std::string&, const std::string&) { return true; }};
+  detail::AgreementOptions options{1, std::chrono::minutes(5), std::chrono::minutes(5)};
+
+  std::vector<std::unique_ptr<Member>> members(static_cast<size_t>(n));
+  std::vector<detail::Member> records;
+  std::atomic<int> false_failures{0};
+  const int exiting = n - 1; // the member whose process ends
+  for (int i = 0; i < n; ++i) {
+    auto member = std::make_unique<Member>();
+    member->me.replica = i;
+    member->me.step = 0;
+    member->me.trained = 0;
+    member->me.identity.host = "sim";
+    member->me.identity.machine = "sim";
+    member->me.identity.pid = 100000 + i;
+    member->liveness = std::make_shared<detail::Liveness>(
+        endpoint, store_timeout,
+        detail::Liveness::Process{i, 0, member->me.identity.to_record()}, heartbeat);
+    member->membership = std::make_unique<detail::Membership>(
+        std::make_unique<store::StoreClient>(endpoint, store_timeout), "lockstep/sim/0", signer);
+    member->agreement = std::make_unique<detail::Agreement>(*member->membership,
+                                                           *member->liveness, options);
+    records.push_back(member->me);
+    members[static_cast<size_t>(i)] = std::move(member);
+  }
+  // What each member's liveness sees: the exit and the stop, and any other
+  // failure (a false one: every other member lives).
+  const int stopped_slot = n; // a member that only beats, then falls silent
+  for (auto& member : members) {
+    auto* m = member.get();
+    m->liveness->on_change([m, exiting, stopped_slot, &false_failures, n](
+                               const std::vector<std::string>&) {
+      for (int slot = 0; slot <= n; ++slot) {
+        if (!m->liveness->failed(slot, 0)) {
+          continue;
+        }
+        if (slot == exiting) {
+          int64_t zero = 0;
+          m->saw_exit_ns.compare_exchange_strong(zero, now_ns());
+        } else if (slot == stopped_slot) {
+          int64_t zero = 0;
+          m->saw_stop_ns.compare_exchange_strong(zero, now_ns());
+        } else {
+          ++false_failures;
+        }
+      }
+    });
+  }
+  members[0]->membership->decide(detail::Epoch{}, records);
+  members[0]->membership->note_lineage(0);
+
+  store::StoreClient observer(endpoint, store_timeout);
+  auto operations = [&] { return observer.stats().operations; };
+  // Idle: only heartbeats.
+  std::this_thread::sleep_for(heartbeat);
+  auto idle_from = operations();
+  auto idle_start = Clock::now();
+  std::this_thread::sleep_for(heartbeat);
+  double idle_ops = static_cast<double>(operations() - idle_from) /
+      std::chrono::duration<double>(Clock::now() - idle_start).count();
+
+  // Steps, back to back: every member votes as soon as the round starts.
+  Round round(n);
+  std::vector<std::thread> threads;
+  for (auto& member : members) {
+    threads.emplace_back([&round, &records, m = member.get(), steps] {
+      for (int step = 0; step < steps; ++step) {
+        round.await(step);
+        m->agreement->decide_step(0, step, m->me, records, "",
+                                  [] { return std::string(); });
+        m->decided = Clock::now();
+        round.done();
+      }
+    });
+  }
+  std::vector<double> agree_ms;
+  auto step_from = operations();
+  auto cpu_from = observer.stats().cpu_us;
+  auto steps_start = Clock::now();
+  for (int step = 0; step < steps; ++step) {
+    auto start = Clock::now();
+    round.run(step);
+    Clock::time_point last = start;
+    for (const auto& member : members) {
+      last = std::max(last, member->decided);
+    }
+    agree_ms.push_back(ms_between(start, last));
+  }
+  double step_ops = static_cast<double>(operations() - step_from) /
+      std::chrono::duration<double>(Clock::now() - steps_start).count();
+  double store_cpu_ms = static_cast<double>(observer.stats().cpu_us - cpu_from) / 1000.0 / steps;
+  for (auto& thread : threads) {
+    thread.join();
+  }
+  threads.clear();
+
+  // A member whose process ends: its connections close.
+  auto exit_at = now_ns();
+  members[static_cast<size_t>(exiting)]->liveness.reset();
+  members[static_cast<size_t>(exiting)]->membership.reset();
+  std::vector<std::pair<int64_t, std::vector<detail::Member>>> epochs(static_cast<size_t>(n - 1));
+  std::vector<int64_t> epoch_ns(static_cast<size_t>(n - 1));
+  for (int i = 0; i < n - 1; ++i) {
+    threads.emplace_back([&, i] {
+      auto& m = *members[static_cast<size_t>(i)];
+      while (m.saw_exit_ns == 0) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      auto me = m.me;
+      me.step = steps;
+      while (true) {
+        auto next = m.agreement->next_epoch(me, Clock::now() + std::chrono::minutes(5));
+        if (next) {
+          epochs[static_cast<size_t>(i)] = *next;
+          epoch_ns[static_cast<size_t>(i)] = now_ns();
+          return;
+        }
+      }
+    });
+  }
+  for (auto& thread : threads) {
+    thread.join();
+  }
+  int64_t detected = 0, formed = 0;
+  for (int i = 0; i < n - 1; ++i) {
+    detected = std::max(detected, members[static_cast<size_t>(i)]->saw_exit_ns.load());
+    formed = std::max(formed, epoch_ns[static_cast<size_t>(i)]);
+    if (epochs[static_cast<size_t>(i)].first != 1 ||
+        static_cast<int>(epochs[static_cast<size_t>(i)].second.size()) != n - 1) {
+      std::fprintf(stderr, "ft_scale: member %d formed epoch %lld of %zu members\n", i,
+                   static_cast<long long>(epochs[static_cast<size_t>(i)].first),
+                   epochs[static_cast<size_t>(i)].second.size());
+      return 1;
+    }
+  }
+
+  // A member that stops: it beats once, then no more.
+  store::StoreClient stopped(endpoint, store_timeout);
+  stopped.hello(stopped_slot, 0, heartbeat, "stopped");
+  stopped.watch(1, 0, std::chrono::milliseconds(1), heartbeat);
+  auto stop_at = now_ns();
+  int64_t stop_seen = 0;
+  for (int i = 0; i < n - 1; ++i) {
+    auto& m = *members[static_cast<size_t>(i)];
+    auto limit = Clock::now() + 4 * heartbeat + std::chrono::seconds(10);
+    while (m.saw_stop_ns == 0 && Clock::now() < limit) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    stop_seen = std::max(stop_seen, m.saw_stop_ns.load());
+  }
+  std::printf("%d,%lld,%lld,%.0f,%.0f,%.2f,%.2f,%.2f,%.1f,%.1f,%.0f,%d\n", n,
+              static_cast<long long>(latency.count()), static_cast<long long>(heartbeat.count()),
+              idle_ops, step_ops, percentile(agree_ms, 0.5), percentile(agree_ms, 0.99), store_cpu_ms,
+              (detected - exit_at) / 1e6, (formed - exit_at) / 1e6, (stop_seen - stop_at) / 1e6,
+              false_failures.load());
+  std::fflush(stdout);
+  members.clear();
+  server.stop();
+  std::filesystem::remove_all(folder);
+  return 0;
+}

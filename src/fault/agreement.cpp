@@ -1,0 +1,192 @@
+#include "fault/agreement.h"
+
+#include <algorithm>
+#include <iterator>
+#include <limits>
+
+#include <lockstep/error.h>
+
+#include "common/wording.h"
+#include "world/liveness.h"
+
+namespace lockstep::detail {
+namespace {
+
+// How long a wait on the store lasts before this member looks around (its
+// world given up, a hang to judge, the limit).
+constexpr auto kLook = std::chrono::milliseconds(50);
+
+bool same_process(const Member& a, const Member& b) {
+  return a.replica == b.replica && a.incarnation == b.incarnation;
+}
+
+} // namespace
+
+Agreement::Agreement(Membership& membership, Liveness& liveness, AgreementOptions options)
+    : membership_(membership), liveness_(liveness), options_(options) {}
+
+std::string Agreement::decide_step(int64_t epoch, int64_t step, const Member& me,
+                                   const std::vector<Member>& members,
+                                   const std::string& failure,
+                                   const std::function<std::string()>& verdict) {
+  if (!failure.empty()) {
+    return membership_.decide_step(epoch, step, "abort " + first_line(failure));
+  }
+  // The last member to vote decides; its decision says whether a rank
+  // asked to join, so that every member re-forms at the same step. (With
+  // a secret, a count that a store writer added to commits nothing: each
+  // member's signed vote must be there.)
+  if (membership_.all_voted(epoch, step, members, membership_.vote(epoch, step, me))) {
+    bool joining = membership_.wanted(epoch + 1);
+    auto decision = membership_.decide_step(epoch, step, joining ? "commit reform" : "commit");
+    // Every member voted on this step, so every one has read the last.
+    if (step > 0) {
+      membership_.forget_step(epoch, step - 1);
+    }
+    return decision;
+  }
+  auto start = Clock::now();
+  auto deadline = start + options_.timeout;
+  bool judged = false;
+  for (int look = 0;; ++look) {
+    if (auto decided = membership_.await_decision(epoch, step, kLook)) {
+      return *decided;
+    }
+    std::string why = verdict();
+    // A member stopped while the others went on finds them gone (read now
+    // and then only: a thousand members wait here at every step).
+    if (why.empty() && look % 20 == 19 && membership_.latest().number > epoch) {
+      why = "the others formed a newer world without this rank";
+    }
+    if (why.empty() && !judged && Clock::now() - start >= options_.step_timeout) {
+      // This member finished the step that long ago: those that did not
+      // are hung.
+      judged = true;
+      report_laggards(members, progress_of(step, Phase::Voted), str("finished step ", step));
+    }
+    if (why.empty() && Clock::now() >= deadline) {
+      why = "no decision within FaultToleranceOptions::timeout";
+    }
+    if (!why.empty()) {
+      return membership_.decide_step(epoch, step, "abort " + first_line(why));
+    }
+  }
+}
+
+std::optional<std::pair<int64_t, std::vector<Member>>> Agreement::next_epoch(
+    const Member& me, Clock::time_point deadline) {
+  auto latest = membership_.latest();
+  int64_t target = latest.number + 1;
+  membership_.arrive(target, me);
+  const auto& expected = latest.members;
+  auto start = Clock::now();
+  bool judged = false;
+  auto decided = [&](std::vector<Member> members) {
+    return std::optional<std::pair<int64_t, std::vector<Member>>>({target, std::move(members)});
+  };
+  auto failed = [&](const Member& m) { return liveness_.failed(m.replica, m.incarnation); };
+  for (int look = 0;; ++look) {
+    // One member decides: the live member of the last world with the
+    // lowest rank (where none lives, the lowest that arrived). It waits
+    // until every live member of the last world has come (one parked
+    // request, answered at the last arrival); the others wait on the
+    // epoch's key, and look again now and then.
+    std::vector<Member> live;
+    std::copy_if(expected.begin(), expected.end(), std::back_inserter(live),
+                 [&](const Member& m) { return !failed(m); });
+    bool deciding = live.empty() || same_process(live.front(), me);
+    if (deciding && !live.empty()) {
+      membership_.await_arrivals(target, live, kLook);
+    } else if (auto members = membership_.await_members(target, kLook)) {
+      return decided(*members);
+    }
+    bool waited_long = Clock::now() - start >= options_.step_timeout;
+    // The epoch's key is a copy that a decider which died at once may not
+    // have written: the latest epoch says it too (read now and then only,
+    // as a thousand members would read it at every look).
+    if (deciding || waited_long || look % 20 == 19) {
+      auto now = membership_.latest();
+      if (now.number >= target) {
+        return now.number == target ? decided(now.members) : std::nullopt;
+      }
+    }
+    if (me.step < 0 && membership_.finished()) {
+      membership_.left(me.replica, me.incarnation);
+      LOCKSTEP_FAIL(FaultToleranceError, "rank ", me.replica, " was restarted to rejoin, but "
+                    "the job's other ranks have finished their loop: there is no training "
+                    "left to rejoin.");
+    }
+    if (!deciding && !waited_long && Clock::now() < deadline) {
+      continue;
+    }
+    std::vector<Member> candidates;
+    for (const auto& arrival : membership_.arrivals(target)) {
+      if (!failed(arrival) && arrival.incarnation >= liveness_.incarnation_of(arrival.replica)) {
+        candidates.push_back(arrival);
+      }
+    }
+    if (live.empty() && !candidates.empty()) {
+      deciding = same_process(candidates.front(), me);
+    }
+    auto arrived = [&](const Member& m) {
+      return std::any_of(candidates.begin(), candidates.end(),
+                         [&](const Member& c) { return same_process(c, m); });
+    };
+    std::vector<Member> absent; // alive, but not come: in a step still, or hung
+    std::copy_if(live.begin(), live.end(), std::back_inserter(absent),
+                 [&](const Member& m) { return !arrived(m); });
+    // Hung: alive, but not come this long after others of the same world
+    // came. (A rank that asks to join judges no one: the others are
+    // training, and come at their next step.)
+    if (waited_long && !judged && !absent.empty() && absent.size() < live.size()) {
+      judged = true;
+      report_laggards(absent, std::numeric_limits<int64_t>::max(),
+                      str("come back for epoch ", target));
+      continue;
+    }
+    int64_t lineage = membership_.lineage();
+    bool state_lives = std::any_of(candidates.begin(), candidates.end(),
+                                   [&](const Member& c) { return c.trained == lineage; });
+    LOCKSTEP_ENFORCE(
+        !absent.empty() || state_lives || candidates.empty(), FaultToleranceError, "rank ",
+        me.replica, ": every rank that held the trained state has failed (the last world was ",
+        describe(expected), "), and the ranks restarted since have none to receive. Resume "
+        "the job from its last checkpoint (lockstep-run --restart all).");
+    if (deciding && absent.empty() && state_lives &&
+        static_cast<int>(candidates.size()) >= options_.min_world_size) {
+      auto after = membership_.decide(latest, candidates);
+      return after.number == target ? decided(after.members) : std::nullopt;
+    }
+    if (Clock::now() >= deadline) {
+      LOCKSTEP_ENFORCE(absent.empty(), FaultToleranceError, "rank ", me.replica,
+                       ": no world formed within FaultToleranceOptions::timeout (",
+                       seconds(options_.timeout), "): ", describe(absent),
+                       " of the last world neither came back nor failed.");
+      LOCKSTEP_FAIL(FaultToleranceError, "rank ", me.replica, ": ", candidates.size(),
+                    " rank(s) can train, fewer than min_world_size ", options_.min_world_size,
+                    ", and no other came back within FaultToleranceOptions::timeout (",
+                    seconds(options_.timeout), ").");
+    }
+  }
+}
+
+std::vector<Member> Agreement::report_laggards(const std::vector<Member>& among,
+                                               int64_t progress, const std::string& what) {
+  std::vector<Member> laggards;
+  auto seen = liveness_.progress();
+  for (const auto& member : among) {
+    for (const auto& slot : seen) {
+      if (slot.slot == member.replica && slot.incarnation == member.incarnation &&
+          slot.state == store::SlotState::Alive && slot.progress < progress) {
+        laggards.push_back(member);
+        liveness_.report(member.replica, member.incarnation,
+                         str("it has not ", what, " for ", seconds(slot.still_for),
+                             ", which the others have (FaultToleranceOptions::step_timeout is ",
+                             seconds(options_.step_timeout), "): it is hung"));
+      }
+    }
+  }
+  return laggards;
+}
+
+} // namespace lockstep::detail

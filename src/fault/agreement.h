@@ -1,0 +1,73 @@
+#pragma once
+
+// The decisions of a fault-tolerant loop, through the job's store
+// (membership.h) and its liveness (world/liveness.h): whether a step
+// counts, and who trains in the next world. FaultTolerance runs them for
+// its process; bench/ft_scale runs them for a thousand simulated members,
+// with no model and no world, to measure what they cost at scale.
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "fault/membership.h"
+
+namespace lockstep::detail {
+
+class Liveness;
+
+/// Where a member is in the loop, sent with its heartbeat: 4 per
+/// committed step, plus the phase within the next one. A judge of hangs
+/// compares members by it.
+enum class Phase : int64_t { Between = 0, InStep = 1, Voted = 2, Dropped = 3 };
+
+inline int64_t progress_of(int64_t committed, Phase phase) {
+  return committed * 4 + static_cast<int64_t>(phase);
+}
+
+struct AgreementOptions {
+  int min_world_size = 1;
+  std::chrono::milliseconds step_timeout{0};
+  std::chrono::milliseconds timeout{0};
+};
+
+class Agreement {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  Agreement(Membership& membership, Liveness& liveness, AgreementOptions options);
+
+  /// The part of `me` in deciding `step` of `epoch` among `members`:
+  /// `failure` is "" when its reduction held. Returns the decision, the
+  /// same on every member: "commit", "commit reform" (a rank asked to
+  /// join) or "abort <why>". `verdict` says, between looks, why this
+  /// member's world was given up ("" while it stands).
+  std::string decide_step(int64_t epoch, int64_t step, const Member& me,
+                          const std::vector<Member>& members,
+                          const std::string& failure,
+                          const std::function<std::string()>& verdict);
+
+  /// Announces `me` for the epoch after the latest and waits until that
+  /// epoch is decided: returns its number and members (which may leave
+  /// `me` out), or nullopt when the job moved past it (announce again).
+  /// One member decides: the live member of the last world with the
+  /// lowest rank, once every member of that world has come or failed.
+  std::optional<std::pair<int64_t, std::vector<Member>>> next_epoch(const Member& me,
+                                                                   Clock::time_point deadline);
+
+  /// Reports the live members of `among` that the store shows short of
+  /// `progress` as hung, saying that they have not done `what`; returns
+  /// them.
+  std::vector<Member> report_laggards(const std::vector<Member>& among, int64_t progress,
+                                      const std::string& what);
+
+ private:
+  Membership& membership_;
+  Liveness& liveness_;
+  AgreementOptions options_;
+};
+
+} // namespace lockstep::detail

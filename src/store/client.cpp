@@ -1,0 +1,327 @@
+#include "store/client.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <limits>
+#include <cstring>
+
+#include "store/wire.h"
+
+namespace lockstep::store {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string seconds_text(std::chrono::milliseconds duration) {
+  auto tenths = (duration.count() + 50) / 100;
+  return std::to_string(tenths / 10) + (tenths % 10 ? "." + std::to_string(tenths % 10) : "") +
+      " s";
+}
+
+int ms_until(Clock::time_point deadline) {
+  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+  return static_cast<int>(
+      std::clamp<int64_t>(left.count(), 0, std::numeric_limits<int>::max()));
+}
+
+Status status_of(const std::string& body) {
+  return static_cast<Status>(static_cast<uint8_t>(body[0]));
+}
+
+Reader fields(const std::string& body) {
+  return Reader(body.data() + 1, body.size() - 1);
+}
+
+} // namespace
+
+StoreClient::StoreClient(Endpoint endpoint, std::chrono::milliseconds timeout)
+    : endpoint_(std::move(endpoint)), timeout_(timeout) {
+  connect(Clock::now() + timeout_);
+}
+
+StoreClient::~StoreClient() {
+  disconnect();
+}
+
+std::chrono::milliseconds StoreClient::timeout() const {
+  return timeout_;
+}
+
+void StoreClient::set_timeout(std::chrono::milliseconds timeout) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  timeout_ = timeout;
+}
+
+void StoreClient::connect(Clock::time_point deadline, bool retry) {
+  std::string error;
+  int fd = connect_to(endpoint_, deadline, error, retry);
+  if (fd < 0) {
+    throw StoreError("cannot reach the store at " + endpoint_.describe() + ": " + error);
+  }
+  std::lock_guard<std::mutex> lock(fd_mutex_);
+  fd_ = fd;
+}
+
+void StoreClient::disconnect() {
+  std::lock_guard<std::mutex> lock(fd_mutex_);
+  if (fd_ >= 0) {
+    ::close(fd_);
+    fd_ = -1;
+  }
+}
+
+void StoreClient::interrupt() {
+  std::lock_guard<std::mutex> lock(fd_mutex_);
+  if (fd_ >= 0) {
+    ::shutdown(fd_, SHUT_RDWR);
+  }
+}
+
+std::string StoreClient::call(const std::string& request, std::chrono::milliseconds wait) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto deadline = Clock::now() + wait + timeout_;
+  auto fail = [&](const std::string& why) {
+    disconnect();
+    throw StoreError("the store at " + endpoint_.describe() + " " + why);
+  };
+  if (fd_ < 0) {
+    // Once: the store answered before, and one that refuses now is gone.
+    connect(Clock::now() + timeout_, /*retry=*/false);
+  }
+  size_t sent = 0;
+  while (sent < request.size()) {
+    pollfd writable{fd_, POLLOUT, 0};
+    if (::poll(&writable, 1, ms_until(deadline)) != 1) {
+      fail("did not take a request within " + seconds_text(timeout_));
+    }
+    ssize_t n = ::send(fd_, request.data() + sent, request.size() - sent,
+                       MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n < 0 && (errno == EAGAIN || errno == EINTR)) {
+      continue;
+    }
+    if (n <= 0) {
+      fail(std::string("closed the connection: ") + std::strerror(errno));
+    }
+    sent += static_cast<size_t>(n);
+  }
+  std::string body;
+  char head[4];
+  size_t want = sizeof(head);
+  size_t got = 0;
+  bool in_head = true;
+  while (true) {
+    char* into = in_head ? head + got : body.data() + got;
+    if (got == want) {
+      if (!in_head) {
+        break;
+      }
+      uint32_t length = frame_length(head);
+      if (length == 0 || length > kMaxMessage) {
+        fail("sent an answer that does not parse: is it a lockstep store?");
+      }
+      in_head = false;
+      body.resize(length);
+      want = length;
+      got = 0;
+      continue;
+    }
+    pollfd readable{fd_, POLLIN, 0};
+    if (::poll(&readable, 1, ms_until(deadline)) != 1) {
+      fail("did not answer within " + seconds_text(wait + timeout_));
+    }
+    ssize_t n = ::recv(fd_, into, want - got, MSG_DONTWAIT);
+    if (n < 0 && (errno == EAGAIN || errno == EINTR)) {
+      continue;
+    }
+    if (n <= 0) {
+      fail("closed the connection");
+    }
+    got += static_cast<size_t>(n);
+  }
+  if (status_of(body) == Status::Invalid) {
+    fail("refused the request as malformed");
+  }
+  return body;
+}
+
+std::string StoreClient::ping() {
+  auto body = call(Writer(static_cast<uint8_t>(Op::Ping)).finish(), {});
+  auto in = fields(body);
+  std::string greeting;
+  try {
+    greeting = in.str();
+  } catch (const Malformed&) {
+  }
+  if (greeting != kGreeting) {
+    disconnect();
+    throw StoreError("the peer at " + endpoint_.describe() + " is not a lockstep store");
+  }
+  return greeting;
+}
+
+void StoreClient::set(const std::string& key, const std::string& value) {
+  call(Writer(static_cast<uint8_t>(Op::Set)).str(key).str(value).finish(), {});
+}
+
+std::optional<std::string> StoreClient::get(const std::string& key) {
+  auto body = call(Writer(static_cast<uint8_t>(Op::Get)).str(key).finish(), {});
+  if (status_of(body) == Status::Missing) {
+    return std::nullopt;
+  }
+  auto in = fields(body);
+  return in.str();
+}
+
+std::optional<std::string> StoreClient::wait_get(const std::string& key,
+                                                 std::chrono::milliseconds wait) {
+  auto body = call(Writer(static_cast<uint8_t>(Op::WaitGet)).str(key).i64(wait.count()).finish(),
+                   wait);
+  if (status_of(body) == Status::Timeout) {
+    return std::nullopt;
+  }
+  auto in = fields(body);
+  return in.str();
+}
+
+int64_t StoreClient::add(const std::string& key, int64_t delta) {
+  auto body = call(Writer(static_cast<uint8_t>(Op::Add)).str(key).i64(delta).finish(), {});
+  auto in = fields(body);
+  return in.i64();
+}
+
+std::string StoreClient::compare_set(const std::string& key, const std::string& expected,
+                                     const std::string& desired) {
+  auto body = call(
+      Writer(static_cast<uint8_t>(Op::CompareSet)).str(key).str(expected).str(desired).finish(),
+      {});
+  auto in = fields(body);
+  return in.str();
+}
+
+std::vector<std::pair<std::string, std::string>> StoreClient::get_prefix(
+    const std::string& prefix) {
+  auto body = call(Writer(static_cast<uint8_t>(Op::GetPrefix)).str(prefix).finish(), {});
+  auto in = fields(body);
+  std::vector<std::pair<std::string, std::string>> found;
+  uint32_t count = in.count(8);
+  for (uint32_t i = 0; i < count; ++i) {
+    auto key = in.str();
+    found.emplace_back(std::move(key), in.str());
+  }
+  return found;
+}
+
+bool StoreClient::erase(const std::string& key) {
+  auto body = call(Writer(static_cast<uint8_t>(Op::Delete)).str(key).finish(), {});
+  auto in = fields(body);
+  return in.u8() != 0;
+}
+
+int64_t StoreClient::erase_prefix(const std::string& prefix) {
+  auto body = call(Writer(static_cast<uint8_t>(Op::DeletePrefix)).str(prefix).finish(), {});
+  auto in = fields(body);
+  return in.i64();
+}
+
+bool StoreClient::check(const std::vector<std::string>& keys) {
+  Writer request(static_cast<uint8_t>(Op::Check));
+  request.u32(static_cast<uint32_t>(keys.size()));
+  for (const auto& key : keys) {
+    request.str(key);
+  }
+  auto body = call(request.finish(), {});
+  auto in = fields(body);
+  return in.u8() != 0;
+}
+
+bool StoreClient::wait(const std::vector<std::string>& keys, std::chrono::milliseconds wait) {
+  Writer request(static_cast<uint8_t>(Op::Wait));
+  request.u32(static_cast<uint32_t>(keys.size()));
+  for (const auto& key : keys) {
+    request.str(key);
+  }
+  request.i64(wait.count());
+  return status_of(call(request.finish(), wait)) == Status::Ok;
+}
+
+int64_t StoreClient::num_keys() {
+  auto body = call(Writer(static_cast<uint8_t>(Op::NumKeys)).finish(), {});
+  auto in = fields(body);
+  return in.i64();
+}
+
+std::optional<int> StoreClient::hello(int slot, int incarnation,
+                                      std::chrono::milliseconds heartbeat_timeout,
+                                      const std::string& identity) {
+  auto body = call(Writer(static_cast<uint8_t>(Op::Hello))
+                       .u32(static_cast<uint32_t>(slot))
+                       .u32(static_cast<uint32_t>(incarnation))
+                       .i64(heartbeat_timeout.count())
+                       .str(identity)
+                       .finish(),
+                   {});
+  if (status_of(body) == Status::Refused) {
+    auto in = fields(body);
+    return static_cast<int>(in.i64());
+  }
+  return std::nullopt;
+}
+
+ViewChange StoreClient::watch(int64_t progress, uint64_t since, std::chrono::milliseconds wait,
+                              std::chrono::milliseconds heartbeat_timeout) {
+  auto body = call(Writer(static_cast<uint8_t>(Op::Watch))
+                       .i64(progress)
+                       .i64(static_cast<int64_t>(since))
+                       .i64(wait.count())
+                       .i64(heartbeat_timeout.count())
+                       .finish(),
+                   wait);
+  auto in = fields(body);
+  return ViewChange::read(in);
+}
+
+void StoreClient::report(int slot, int incarnation, const std::string& why) {
+  call(Writer(static_cast<uint8_t>(Op::Report))
+           .u32(static_cast<uint32_t>(slot))
+           .u32(static_cast<uint32_t>(incarnation))
+           .str(why)
+           .finish(),
+       {});
+}
+
+void StoreClient::note(const std::string& text) {
+  call(Writer(static_cast<uint8_t>(Op::Note)).str(text).finish(), {});
+}
+
+void StoreClient::goodbye(int slot, int incarnation) {
+  call(Writer(static_cast<uint8_t>(Op::Goodbye))
+           .u32(static_cast<uint32_t>(slot))
+           .u32(static_cast<uint32_t>(incarnation))
+           .finish(),
+       {});
+}
+
+std::vector<SlotProgress> StoreClient::progress() {
+  auto body = call(Writer(static_cast<uint8_t>(Op::Progress)).finish(), {});
+  auto in = fields(body);
+  return read_progress(in);
+}
+
+ServerStats StoreClient::stats() {
+  auto body = call(Writer(static_cast<uint8_t>(Op::Stats)).finish(), {});
+  auto in = fields(body);
+  ServerStats stats;
+  stats.keys = in.i64();
+  stats.key_bytes = in.i64();
+  stats.connections = in.i64();
+  stats.operations = in.i64();
+  stats.slots = in.i64();
+  stats.cpu_us = in.i64();
+  return stats;
+}
+
+} // namespace lockstep::store

@@ -1,0 +1,232 @@
+#include "store/endpoint.h"
+
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <limits>
+#include <cstring>
+#include <stdexcept>
+#include <thread>
+
+namespace lockstep::store {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+bool unix_address(const std::string& path, sockaddr_un& address, std::string& error) {
+  address = {};
+  address.sun_family = AF_UNIX;
+  if (path.size() >= sizeof(address.sun_path)) {
+    error = "the socket path " + path + " is longer than the " +
+        std::to_string(sizeof(address.sun_path) - 1) + " bytes a Unix socket allows (set "
+        "TMPDIR to a shorter folder)";
+    return false;
+  }
+  std::memcpy(address.sun_path, path.c_str(), path.size() + 1);
+  return true;
+}
+
+void no_delay(int fd) {
+  int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
+
+// Connects `fd` to `address`, waiting at most until `deadline`.
+bool connect_within(int fd, const sockaddr* address, socklen_t length, Clock::time_point deadline,
+                    std::string& error) {
+  int flags = ::fcntl(fd, F_GETFL);
+  ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+  bool connected = ::connect(fd, address, length) == 0;
+  if (!connected && errno == EINPROGRESS) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    pollfd writable{fd, POLLOUT, 0};
+    int status = 0;
+    socklen_t size = sizeof(status);
+    int wait = static_cast<int>(std::clamp<int64_t>(left.count(), 1, std::numeric_limits<int>::max()));
+    if (::poll(&writable, 1, wait) == 1 &&
+        ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &status, &size) == 0) {
+      connected = status == 0;
+      errno = status;
+    } else {
+      errno = ETIMEDOUT;
+    }
+  }
+  if (!connected) {
+    error = std::strerror(errno);
+    return false;
+  }
+  ::fcntl(fd, F_SETFL, flags);
+  return true;
+}
+
+} // namespace
+
+Endpoint Endpoint::unix_socket(std::string path) {
+  Endpoint endpoint;
+  endpoint.kind = Kind::Unix;
+  endpoint.path = std::move(path);
+  return endpoint;
+}
+
+Endpoint Endpoint::tcp(std::string host, int port) {
+  Endpoint endpoint;
+  endpoint.kind = Kind::Tcp;
+  endpoint.host = std::move(host);
+  endpoint.port = port;
+  return endpoint;
+}
+
+Endpoint Endpoint::parse(const std::string& text) {
+  if (text.rfind("unix:", 0) == 0 && text.size() > 5) {
+    return unix_socket(text.substr(5));
+  }
+  auto colon = text.rfind(':');
+  if (text.rfind("tcp:", 0) == 0 && colon > 4 && colon + 1 < text.size()) {
+    int port = 0;
+    try {
+      port = std::stoi(text.substr(colon + 1));
+    } catch (const std::exception&) {
+      port = -1;
+    }
+    if (port > 0 && port <= 65535) {
+      return tcp(text.substr(4, colon - 4), port);
+    }
+  }
+  throw std::invalid_argument("'" + text + "' is not a store endpoint (unix:PATH or "
+                              "tcp:HOST:PORT)");
+}
+
+std::string Endpoint::to_string() const {
+  return kind == Kind::Unix ? "unix:" + path : "tcp:" + host + ":" + std::to_string(port);
+}
+
+std::string Endpoint::describe() const {
+  return kind == Kind::Unix ? path : host + ":" + std::to_string(port);
+}
+
+int listen_on(Endpoint& endpoint, std::string& error) {
+  if (endpoint.kind == Endpoint::Kind::Unix) {
+    sockaddr_un address{};
+    if (!unix_address(endpoint.path, address, error)) {
+      return -1;
+    }
+    int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    ::unlink(endpoint.path.c_str());
+    if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 ||
+        ::listen(fd, 4096) != 0) {
+      error = "listen on " + endpoint.path + ": " + std::strerror(errno);
+      if (fd >= 0) {
+        ::close(fd);
+      }
+      return -1;
+    }
+    return fd;
+  }
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* found = nullptr;
+  std::string port = std::to_string(endpoint.port);
+  int status = ::getaddrinfo(endpoint.host.empty() ? nullptr : endpoint.host.c_str(),
+                             port.c_str(), &hints, &found);
+  if (status != 0 || found == nullptr) {
+    error = "resolve " + endpoint.describe() + ": " + ::gai_strerror(status);
+    return -1;
+  }
+  int fd = -1;
+  std::string cause;
+  for (addrinfo* candidate = found; candidate != nullptr && fd < 0;
+       candidate = candidate->ai_next) {
+    fd = ::socket(candidate->ai_family, candidate->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC,
+                  0);
+    if (fd < 0) {
+      continue;
+    }
+    int one = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (::bind(fd, candidate->ai_addr, candidate->ai_addrlen) != 0 || ::listen(fd, 4096) != 0) {
+      cause = std::strerror(errno);
+      ::close(fd);
+      fd = -1;
+    }
+  }
+  ::freeaddrinfo(found);
+  if (fd < 0) {
+    error = "bind " + endpoint.describe() + ": " + cause;
+    return -1;
+  }
+  sockaddr_storage bound{};
+  socklen_t length = sizeof(bound);
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &length) == 0) {
+    endpoint.port = ntohs(bound.ss_family == AF_INET6
+                              ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
+                              : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+  }
+  return fd;
+}
+
+int connect_to(const Endpoint& endpoint, Clock::time_point deadline, std::string& error,
+               bool retry) {
+  auto pause = std::chrono::milliseconds(1);
+  while (true) {
+    int fd = -1;
+    if (endpoint.kind == Endpoint::Kind::Unix) {
+      sockaddr_un address{};
+      if (!unix_address(endpoint.path, address, error)) {
+        return -1;
+      }
+      fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      if (fd >= 0 && connect_within(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address),
+                                    deadline, error)) {
+        return fd;
+      }
+    } else {
+      addrinfo hints{};
+      hints.ai_family = AF_UNSPEC;
+      hints.ai_socktype = SOCK_STREAM;
+      addrinfo* found = nullptr;
+      std::string port = std::to_string(endpoint.port);
+      int status = ::getaddrinfo(endpoint.host.c_str(), port.c_str(), &hints, &found);
+      if (status != 0 || found == nullptr) {
+        error = std::string("cannot resolve ") + endpoint.host + ": " + ::gai_strerror(status);
+      }
+      for (addrinfo* candidate = found; candidate != nullptr; candidate = candidate->ai_next) {
+        fd = ::socket(candidate->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (fd >= 0 && connect_within(fd, candidate->ai_addr, candidate->ai_addrlen, deadline,
+                                      error)) {
+          no_delay(fd);
+          break;
+        }
+        if (fd >= 0) {
+          ::close(fd);
+          fd = -1;
+        }
+      }
+      if (found != nullptr) {
+        ::freeaddrinfo(found);
+      }
+      if (fd >= 0) {
+        return fd;
+      }
+    }
+    if (fd >= 0) {
+      ::close(fd);
+    }
+    if (!retry || Clock::now() + pause >= deadline) {
+      return -1;
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::milliseconds(50));
+  }
+}
+
+} // namespace lockstep::store

@@ -1,0 +1,43 @@
+#pragma once
+
+// Where a job store listens: a Unix socket in a folder only its user can
+// enter (a job on one host: no socket another machine can reach), or a TCP
+// address (a job across hosts).
+
+#include <chrono>
+#include <string>
+
+namespace lockstep::store {
+
+struct Endpoint {
+  enum class Kind { Unix, Tcp } kind = Kind::Unix;
+  std::string path;  // Unix
+  std::string host;  // Tcp
+  int port = 0;      // Tcp; 0 to listen on a free port
+
+  static Endpoint unix_socket(std::string path);
+  static Endpoint tcp(std::string host, int port);
+  /// "unix:PATH" or "tcp:HOST:PORT", as to_string() writes it; throws
+  /// std::invalid_argument otherwise.
+  static Endpoint parse(const std::string& text);
+  std::string to_string() const;
+  /// For messages: the path, or "host:port".
+  std::string describe() const;
+};
+
+/// A listening socket (non-blocking, close-on-exec). A Unix endpoint's old
+/// socket file is replaced; a TCP one binds `host` (every interface when
+/// empty) and, with port 0, a free port, written back into `endpoint`.
+/// Returns -1 and sets `error` on failure.
+int listen_on(Endpoint& endpoint, std::string& error);
+
+/// A connected socket (blocking, close-on-exec), retried while nothing
+/// listens yet until `deadline` (once only, without `retry`: a store that
+/// was reached before and refuses now is gone); -1 and `error` (the last
+/// cause) after it.
+int connect_to(const Endpoint& endpoint,
+               std::chrono::steady_clock::time_point deadline,
+               std::string& error,
+               bool retry = true);
+
+} // namespace lockstep::store

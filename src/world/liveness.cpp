@@ -1,0 +1,204 @@
+#include "world/liveness.h"
+
+#include <lockstep/error.h>
+
+#include "store/client.h"
+
+namespace lockstep::detail {
+namespace {
+
+// After a failed beat (the store's host briefly unreachable), the next try.
+constexpr auto kRetryPause = std::chrono::milliseconds(100);
+// How long one try to reconnect may take: the thread looks at stop_
+// between tries.
+constexpr auto kConnectTry = std::chrono::milliseconds(500);
+
+} // namespace
+
+Liveness::Liveness(store::Endpoint endpoint, std::chrono::milliseconds store_timeout,
+                   Process me, std::chrono::milliseconds heartbeat_timeout)
+    : endpoint_(std::move(endpoint)),
+      store_timeout_(store_timeout),
+      me_(std::move(me)),
+      heartbeat_ms_(heartbeat_timeout.count()) {
+  calls_ = std::make_unique<store::StoreClient>(endpoint_, store_timeout_);
+  beating_ = std::make_unique<store::StoreClient>(endpoint_, store_timeout_);
+  auto newer = beating_->hello(me_.slot, me_.incarnation,
+                               std::chrono::milliseconds(heartbeat_ms_.load()), me_.identity);
+  if (newer) {
+    replaced_by_ = *newer;
+  }
+  thread_ = std::thread([this] { run(); });
+}
+
+Liveness::~Liveness() {
+  stop();
+}
+
+void Liveness::stop() {
+  {
+    std::lock_guard<std::mutex> lock(stop_mutex_);
+    if (stop_) {
+      return;
+    }
+    stop_ = true;
+    if (goodbye_) {
+      try {
+        std::lock_guard<std::mutex> calls(calls_mutex_);
+        calls_->goodbye(me_.slot, me_.incarnation);
+      } catch (const std::exception&) {
+        // The store is gone: nobody is left to tell.
+      }
+    }
+    if (beating_) {
+      beating_->interrupt();
+    }
+  }
+  thread_.join();
+}
+
+bool Liveness::connect() {
+  std::unique_ptr<store::StoreClient> client;
+  try {
+    client = std::make_unique<store::StoreClient>(endpoint_, kConnectTry);
+    client->set_timeout(store_timeout_);
+    auto newer = client->hello(me_.slot, me_.incarnation,
+                               std::chrono::milliseconds(heartbeat_ms_.load()), me_.identity);
+    if (newer) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      replaced_by_ = *newer;
+    }
+  } catch (const std::exception&) {
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(stop_mutex_);
+  if (stop_) {
+    return false;
+  }
+  beating_ = std::move(client);
+  return true;
+}
+
+void Liveness::run() {
+  while (!stop_) {
+    try {
+      auto timeout = std::chrono::milliseconds(heartbeat_ms_.load());
+      uint64_t since;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        since = version_;
+      }
+      apply(beating_->watch(progress_.load(), since,
+                            std::max(timeout / 8, std::chrono::milliseconds(1)), timeout));
+    } catch (const std::exception&) {
+      if (stop_) {
+        return;
+      }
+      // A client whose answer failed would read a late answer as the next
+      // one's: connect anew (and say hello again) once the store answers.
+      // Meanwhile the others judge this process by its silence.
+      while (!stop_ && !connect()) {
+        std::this_thread::sleep_for(kRetryPause);
+      }
+    }
+  }
+}
+
+void Liveness::apply(const store::ViewChange& change) {
+  std::function<void(const std::vector<std::string>&)> callback;
+  bool changed = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    changed = change.version != version_ || !change.notes.empty();
+    version_ = change.version;
+    for (const auto& slot : change.slots) {
+      view_[slot.slot] = slot;
+      if (slot.slot == me_.slot && slot.incarnation > me_.incarnation) {
+        replaced_by_ = slot.incarnation;
+      }
+    }
+    callback = callback_;
+  }
+  if (changed && callback) {
+    callback(change.notes);
+  }
+}
+
+void Liveness::set_heartbeat_timeout(std::chrono::milliseconds timeout) {
+  heartbeat_ms_ = timeout.count(); // declared with the next beat
+}
+
+std::chrono::milliseconds Liveness::heartbeat_timeout() const {
+  return std::chrono::milliseconds(heartbeat_ms_.load());
+}
+
+std::optional<std::string> Liveness::failed(int slot, int incarnation) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto found = view_.find(slot);
+  if (found == view_.end() || found->second.incarnation < incarnation) {
+    return std::nullopt; // not heard yet
+  }
+  const auto& seen = found->second;
+  if (seen.incarnation > incarnation) {
+    return str("it was replaced by its incarnation ", seen.incarnation);
+  }
+  if (seen.state == store::SlotState::Alive) {
+    return std::nullopt;
+  }
+  return seen.why;
+}
+
+std::optional<std::string> Liveness::failed(const std::string& identity) const {
+  int slot = -1;
+  int incarnation = -1;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& [number, seen] : view_) {
+      if (seen.identity == identity) {
+        slot = number;
+        incarnation = seen.incarnation;
+      }
+    }
+  }
+  if (slot < 0) {
+    return std::nullopt;
+  }
+  return failed(slot, incarnation);
+}
+
+int Liveness::incarnation_of(int slot) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto found = view_.find(slot);
+  return found == view_.end() ? -1 : found->second.incarnation;
+}
+
+std::optional<int> Liveness::replaced_by() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return replaced_by_;
+}
+
+void Liveness::on_change(std::function<void(const std::vector<std::string>&)> callback) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  callback_ = std::move(callback);
+}
+
+void Liveness::note(const std::string& text) {
+  std::lock_guard<std::mutex> lock(calls_mutex_);
+  calls_->note(text);
+}
+
+void Liveness::report(int slot, int incarnation, const std::string& why) {
+  std::lock_guard<std::mutex> lock(calls_mutex_);
+  calls_->report(slot, incarnation, why);
+}
+
+std::vector<store::SlotProgress> Liveness::progress() {
+  std::lock_guard<std::mutex> lock(calls_mutex_);
+  return calls_->progress();
+}
+
+void Liveness::goodbye() {
+  goodbye_ = true;
+}
+
+} // namespace lockstep::detail

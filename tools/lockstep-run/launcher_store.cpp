@@ -1,0 +1,256 @@
+#include "launcher_store.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <sstream>
+#include <stdexcept>
+#include <utility>
+
+#include "store/client.h"
+#include "store/host_folder.h"
+#include "store/server.h"
+#include "world/job_secret.h"
+#include "world/process_identity.h"
+
+namespace lockstep::run {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr auto kStoreTimeout = std::chrono::seconds(10);
+constexpr auto kWatchWait = std::chrono::seconds(1);
+constexpr auto kConnectTry = std::chrono::milliseconds(500);
+constexpr const char* kProof = "\nproof ";
+
+std::string env_or(const char* name, const std::string& fallback) {
+  const char* value = std::getenv(name);
+  return value != nullptr && *value != '\0' ? value : fallback;
+}
+
+// The port on loopback, listened on so that no other job's store can take
+// it while this one runs (as a rank 0 that hosts the store does).
+int hold_port(int port) {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 ||
+      ::listen(fd, 1) != 0) {
+    std::string cause = std::strerror(errno);
+    if (fd >= 0) {
+      ::close(fd);
+    }
+    throw std::runtime_error("cannot host the job's store on port " + std::to_string(port) +
+                             ": " + cause + " (another job holds it?)");
+  }
+  return fd;
+}
+
+} // namespace
+
+LauncherStore::LauncherStore(const RunOptions& options, int port)
+    : options_(options),
+      job_id_(options.job_id.empty() ? env_or("LOCKSTEP_JOB_ID", "default") : options.job_id),
+      secret_(env_or("LOCKSTEP_JOB_SECRET", "")) {
+  bool one_host = options.nnodes == 1 && env_or("LOCKSTEP_STORE", "auto") != "tcp";
+  store::Endpoint endpoint = store::Endpoint::tcp(options.master_addr, port);
+  if (options.node_rank == 0) {
+    store::Endpoint listen = store::Endpoint::tcp("", port);
+    if (one_host) {
+      port_fd_ = hold_port(port);
+      std::string error;
+      auto base = store::private_base(error);
+      if (base.empty()) {
+        throw std::runtime_error(error);
+      }
+      folder_ = store::job_folder(base, port);
+      error = store::create_job_folder(folder_, detail::this_process().to_record());
+      if (!error.empty()) {
+        throw std::runtime_error(error);
+      }
+      listen = endpoint = store::Endpoint::unix_socket(store::socket_path(folder_));
+    }
+    server_ = std::make_unique<store::StoreServer>(store::ServerOptions{listen, {}});
+    server_->start();
+  }
+  endpoint_ = endpoint.to_string();
+  if (::pipe2(wake_, O_CLOEXEC | O_NONBLOCK) != 0) {
+    throw std::runtime_error("pipe failed");
+  }
+  thread_ = std::thread([this] { watch(); });
+}
+
+LauncherStore::~LauncherStore() {
+  {
+    std::lock_guard<std::mutex> lock(hung_mutex_);
+    stop_ = true;
+    if (watcher_) {
+      watcher_->interrupt();
+    }
+  }
+  thread_.join();
+  client_.reset();
+  if (server_) {
+    server_->stop();
+  }
+  if (!folder_.empty()) {
+    store::remove_folder(folder_);
+  }
+  if (port_fd_ >= 0) {
+    ::close(port_fd_);
+  }
+  ::close(wake_[0]);
+  ::close(wake_[1]);
+}
+
+void LauncherStore::watch() {
+  auto endpoint = store::Endpoint::parse(endpoint_);
+  int first = options_.node_rank * options_.nproc_per_node;
+  uint64_t since = 0;
+  store::StoreClient* watcher = nullptr;
+  while (true) {
+    try {
+      if (watcher == nullptr) {
+        // In short tries, so that the launcher's end never waits on one.
+        auto client = std::make_unique<store::StoreClient>(endpoint, kConnectTry);
+        client->set_timeout(kStoreTimeout);
+        std::lock_guard<std::mutex> lock(hung_mutex_);
+        if (stop_) {
+          return;
+        }
+        watcher_ = std::move(client);
+        watcher = watcher_.get();
+      }
+      auto change = watcher->watch(0, since, kWatchWait, {});
+      since = change.version;
+      for (const auto& slot : change.slots) {
+        if (slot.state == store::SlotState::Reported && slot.slot >= first &&
+            slot.slot < first + options_.nproc_per_node) {
+          std::lock_guard<std::mutex> lock(hung_mutex_);
+          hung_.push_back({slot.slot, slot.incarnation, slot.why});
+          char byte = 1;
+          [[maybe_unused]] auto written = ::write(wake_[1], &byte, 1);
+        }
+      }
+    } catch (const std::exception&) {
+      // Not up yet (another node's launcher), or gone: try again.
+      std::lock_guard<std::mutex> lock(hung_mutex_);
+      if (stop_) {
+        return;
+      }
+      watcher_.reset();
+      watcher = nullptr;
+      since = 0;
+    }
+  }
+}
+
+std::vector<Hung> LauncherStore::take_hung() {
+  char buffer[64];
+  while (::read(wake_[0], buffer, sizeof(buffer)) > 0) {
+  }
+  std::lock_guard<std::mutex> lock(hung_mutex_);
+  return std::exchange(hung_, {});
+}
+
+std::string LauncherStore::prefix(int attempt) const {
+  return "lockstep/" + job_id_ + "/" + std::to_string(attempt);
+}
+
+std::string LauncherStore::nonce() {
+  auto record = client_->get("lockstep/job");
+  std::string job, nonce;
+  if (record) {
+    std::istringstream(*record) >> job >> nonce;
+  }
+  return nonce;
+}
+
+std::string LauncherStore::prove(const std::string& claim) {
+  if (secret_.empty()) {
+    return "-";
+  }
+  return detail::prove(secret_, "ft|" + job_id_ + "|" + claim + "|" + nonce());
+}
+
+bool LauncherStore::proven(const std::string& claim, const std::string& proof) {
+  if (secret_.empty()) {
+    return proof == "-";
+  }
+  return detail::proven(secret_, "ft|" + job_id_ + "|" + claim + "|" + nonce(), proof);
+}
+
+void LauncherStore::begin_attempt(int attempt) {
+  if (options_.node_rank != 0 || attempt == 0) {
+    return;
+  }
+  std::lock_guard<std::mutex> lock(client_mutex_);
+  try {
+    if (!client_) {
+      client_ = std::make_unique<store::StoreClient>(store::Endpoint::parse(endpoint_),
+                                                     kStoreTimeout);
+    }
+    client_->erase_prefix(prefix(attempt - 1) + "/");
+  } catch (const std::exception&) {
+    client_.reset();
+  }
+  if (!folder_.empty()) {
+    std::error_code ignored;
+    std::string stale = "ledger-lockstep_" + job_id_ + "_" + std::to_string(attempt - 1);
+    for (const auto& entry : fs::directory_iterator(folder_, ignored)) {
+      if (entry.path().filename().string().rfind(stale, 0) == 0) {
+        fs::remove(entry.path(), ignored);
+      }
+    }
+  }
+}
+
+void LauncherStore::job_finished(int attempt) {
+  std::lock_guard<std::mutex> lock(client_mutex_);
+  try {
+    if (!client_) {
+      client_ = std::make_unique<store::StoreClient>(store::Endpoint::parse(endpoint_),
+                                                     kStoreTimeout);
+    }
+    client_->set(prefix(attempt) + "/ft/finished",
+                 std::string("ended") + kProof + prove(prefix(attempt) + "/ft/finished|ended"));
+  } catch (const std::exception&) {
+    client_.reset(); // a job without fault tolerance, or its store gone
+  }
+}
+
+bool LauncherStore::left(int attempt, int slot, int incarnation) {
+  std::lock_guard<std::mutex> lock(client_mutex_);
+  try {
+    if (!client_) {
+      client_ = std::make_unique<store::StoreClient>(store::Endpoint::parse(endpoint_),
+                                                     kStoreTimeout);
+    }
+    std::string where = "left/" + std::to_string(slot) + "/" + std::to_string(incarnation);
+    auto value = client_->get(prefix(attempt) + "/ft/" + where);
+    if (!value) {
+      return false;
+    }
+    auto at = value->rfind(kProof);
+    return at != std::string::npos && value->substr(0, at) == "left" &&
+        proven(prefix(attempt) + "/ft/left|" + std::to_string(slot) + "|" +
+                   std::to_string(incarnation) + "|left",
+               value->substr(at + std::string(kProof).size()));
+  } catch (const std::exception&) {
+    client_.reset();
+    return false;
+  }
+}
+
+} // namespace lockstep::run
