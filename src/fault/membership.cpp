@@ -124,6 +124,19 @@ std::string Membership::sign(const std::string& what, const std::string& body) c
   return body + kProof + signer_.prove(claim(what, body));
 }
 
+std::optional<std::string> Membership::proven_body(const std::string& what,
+                                                   const std::string& value) const {
+  auto at = value.rfind(kProof);
+  if (at == std::string::npos) {
+    return std::nullopt;
+  }
+  auto body = value.substr(0, at);
+  if (!signer_.proven(claim(what, body), value.substr(at + std::string(kProof).size()))) {
+    return std::nullopt;
+  }
+  return body;
+}
+
 std::string Membership::open(const std::string& what, const std::string& key,
                              const std::string& value) const {
   auto at = value.rfind(kProof);
@@ -200,14 +213,8 @@ std::vector<Member> Membership::arrivals(int64_t epoch) {
   for (const auto& [key, value] : found) {
     // An arrival without a valid proof is never taken in (but refuses
     // nothing: anyone may write one).
-    auto at = value.rfind(kProof);
-    if (at == std::string::npos) {
-      continue;
-    }
-    auto body = value.substr(0, at);
-    if (signer_.proven(claim(str("arrive|", epoch), body),
-                       value.substr(at + std::string(kProof).size()))) {
-      members.push_back(Member::from_record(body));
+    if (auto body = proven_body(str("arrive|", epoch), value)) {
+      members.push_back(Member::from_record(*body));
     }
   }
   return members;
@@ -254,11 +261,8 @@ bool Membership::all_voted(int64_t epoch, int64_t step, const std::vector<Member
     if (vote == votes.end()) {
       return false;
     }
-    auto at = vote->second.rfind(kProof);
-    if (at == std::string::npos ||
-        vote->second.substr(0, at) != str(member.replica, ".", member.incarnation) ||
-        !signer_.proven(claim(str("vote|", epoch, "|", step), vote->second.substr(0, at)),
-                        vote->second.substr(at + std::string(kProof).size()))) {
+    if (proven_body(str("vote|", epoch, "|", step), vote->second) !=
+        str(member.replica, ".", member.incarnation)) {
       return false;
     }
   }
@@ -349,11 +353,7 @@ bool Membership::state_matches(int64_t epoch, int source, int64_t step,
   if (!value) {
     return false;
   }
-  auto at = value->rfind(kProof);
-  return at != std::string::npos &&
-      value->substr(0, at) == str(source, " ", step, " ", digest) &&
-      signer_.proven(claim(str("state|", epoch), value->substr(0, at)),
-                     value->substr(at + std::string(kProof).size()));
+  return proven_body(str("state|", epoch), *value) == str(source, " ", step, " ", digest);
 }
 
 void Membership::note_lineage(int64_t epoch) {

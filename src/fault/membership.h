@@ -169,6 +169,9 @@ class Membership {
 
  private:
   std::string claim(const std::string& what, const std::string& body) const;
+  /// The body of a signed value whose proof holds; nullopt for one without
+  /// a proof or with a false one.
+  std::optional<std::string> proven_body(const std::string& what, const std::string& value) const;
 
   std::unique_ptr<store::StoreClient> client_;
   std::string prefix_; // "<job prefix>/ft/"

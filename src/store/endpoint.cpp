@@ -112,6 +112,25 @@ std::string Endpoint::describe() const {
   return kind == Kind::Unix ? path : host + ":" + std::to_string(port);
 }
 
+int hold_loopback_port(int port, std::string& error) {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 ||
+      ::listen(fd, 1) != 0) {
+    error = "bind 127.0.0.1:" + std::to_string(port) + ": " + std::strerror(errno);
+    if (fd >= 0) {
+      ::close(fd);
+    }
+    return -1;
+  }
+  return fd;
+}
+
 int listen_on(Endpoint& endpoint, std::string& error) {
   if (endpoint.kind == Endpoint::Kind::Unix) {
     sockaddr_un address{};

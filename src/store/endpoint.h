@@ -31,6 +31,12 @@ struct Endpoint {
 /// Returns -1 and sets `error` on failure.
 int listen_on(Endpoint& endpoint, std::string& error);
 
+/// `port` on loopback, listened on (close-on-exec) so that no other socket
+/// can bind it while this process runs, and never reachable from another
+/// machine: a job on one host holds its port so. Returns -1 and sets
+/// `error` ("bind 127.0.0.1:P: <cause>") on failure.
+int hold_loopback_port(int port, std::string& error);
+
 /// A connected socket (blocking, close-on-exec), retried while nothing
 /// listens yet until `deadline` (once only, without `retry`: a store that
 /// was reached before and refuses now is gone); -1 and `error` (the last

@@ -3,6 +3,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "store/client.h"
+#include "world/job_keys.h"
 #include "world/job_secret.h"
 #include "world/world_impl.h"
 
@@ -25,7 +26,8 @@ std::string WorldAccess::prove(const World& world, const std::string& message) {
   if (impl.config.secret.empty()) {
     return "-";
   }
-  return detail::prove(impl.config.secret, str("ft|", impl.config.job_id, "|", message, "|",
+  return detail::prove(impl.config.secret, detail::fault_tolerance_claim(
+                                               impl.config.job_id, message,
                                                impl.job_store->nonce()));
 }
 
@@ -36,7 +38,8 @@ bool WorldAccess::proven(const World& world, const std::string& message,
     return true;
   }
   return detail::proven(impl.config.secret,
-                        str("ft|", impl.config.job_id, "|", message, "|", impl.job_store->nonce()),
+                        detail::fault_tolerance_claim(impl.config.job_id, message,
+                                                      impl.job_store->nonce()),
                         proof);
 }
 

@@ -8,13 +8,9 @@
 // the job ends; one that a crash left behind is removed by the next rank 0
 // that finds its owner gone.
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
-#include <cstring>
 #include <filesystem>
 #include <thread>
 
@@ -36,21 +32,10 @@ using Clock = std::chrono::steady_clock;
 // (another lockstep job's rank 0, a TCP store): never reachable from
 // another machine. Closed with the process.
 int hold_port(const WorldConfig& config) {
-  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  int one = 1;
-  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  address.sin_port = htons(static_cast<uint16_t>(config.master_port));
-  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 ||
-      ::listen(fd, 1) != 0) {
-    std::string cause = std::strerror(errno);
-    if (fd >= 0) {
-      ::close(fd);
-    }
-    fail_port_in_use(config, "bind 127.0.0.1:" + std::to_string(config.master_port) + ": " +
-                                 cause);
+  std::string error;
+  int fd = store::hold_loopback_port(config.master_port, error);
+  if (fd < 0) {
+    fail_port_in_use(config, error);
   }
   return fd;
 }

@@ -16,6 +16,7 @@
 #include "store/client.h"
 #include "store/server.h"
 #include "world/c10d_store.h"
+#include "world/job_keys.h"
 #include "world/job_secret.h"
 #include "world/rendezvous.h"
 
@@ -50,9 +51,6 @@ void expect_resolvable(const WorldConfig& config) {
       "(seconds).\n  cause: ", cause);
 }
 
-// Unscoped, so that another job's ranks find it: which job owns this store.
-constexpr const char* kJobKey = "lockstep/job";
-
 // The first rank to record itself (rank 0, or a restarted one that finds
 // the record) records which job owns the store and, with a secret, a nonce
 // and its proof of the secret; every other rank checks that record before
@@ -68,9 +66,9 @@ std::string claim_or_check(store::StoreClient& client, const WorldConfig& config
       : prove(config.secret, "job|" + config.job_id + "|" + nonce);
   std::string record;
   if (config.rank == 0) {
-    record = client.compare_set(kJobKey, "", config.job_id + " " + nonce + " " + proof);
+    record = client.compare_set(kJobRecordKey, "", config.job_id + " " + nonce + " " + proof);
   } else {
-    auto found = client.wait_get(kJobKey, config.timeout);
+    auto found = client.wait_get(kJobRecordKey, config.timeout);
     LOCKSTEP_ENFORCE(found.has_value(), RendezvousError, "rank ", config.rank, " reached the "
                      "store at ", where, ", but no job recorded itself there within ",
                      seconds(config.timeout), ". Is rank 0 running with the same MASTER_ADDR "

@@ -1,6 +1,7 @@
 #include "world/resolve.h"
 
 #include "store/endpoint.h"
+#include "world/job_keys.h"
 
 #include <cerrno>
 #include <cmath>
@@ -160,7 +161,7 @@ std::string resolve_job_prefix(const std::string& job, const EnvLookup& env) {
     attempt = *count;
   }
   // PrefixStore adds the "/" between this prefix and each key.
-  return "lockstep/" + job + "/" + attempt;
+  return job_key_prefix(job, attempt);
 }
 
 TransportKind resolve_transport(const WorldOptions& options, const EnvLookup& env) {

@@ -1,14 +1,10 @@
 #include "launcher_store.h"
 
-#include <arpa/inet.h>
 #include <fcntl.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstdlib>
-#include <cstring>
 #include <filesystem>
 #include <sstream>
 #include <stdexcept>
@@ -17,6 +13,7 @@
 #include "store/client.h"
 #include "store/host_folder.h"
 #include "store/server.h"
+#include "world/job_keys.h"
 #include "world/job_secret.h"
 #include "world/process_identity.h"
 
@@ -35,24 +32,13 @@ std::string env_or(const char* name, const std::string& fallback) {
   return value != nullptr && *value != '\0' ? value : fallback;
 }
 
-// The port on loopback, listened on so that no other job's store can take
-// it while this one runs (as a rank 0 that hosts the store does).
+// The port on loopback, held so that no other job's store can take it
+// while this one runs (as a rank 0 that hosts the store does).
 int hold_port(int port) {
-  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  int one = 1;
-  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  address.sin_port = htons(static_cast<uint16_t>(port));
-  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 ||
-      ::listen(fd, 1) != 0) {
-    std::string cause = std::strerror(errno);
-    if (fd >= 0) {
-      ::close(fd);
-    }
-    throw std::runtime_error("cannot host the job's store on port " + std::to_string(port) +
-                             ": " + cause + " (another job holds it?)");
+  std::string error;
+  int fd = store::hold_loopback_port(port, error);
+  if (fd < 0) {
+    throw std::runtime_error("cannot host the job's store: " + error + " (another job holds it?)");
   }
   return fd;
 }
@@ -165,11 +151,11 @@ std::vector<Hung> LauncherStore::take_hung() {
 }
 
 std::string LauncherStore::prefix(int attempt) const {
-  return "lockstep/" + job_id_ + "/" + std::to_string(attempt);
+  return detail::job_key_prefix(job_id_, std::to_string(attempt));
 }
 
 std::string LauncherStore::nonce() {
-  auto record = client_->get("lockstep/job");
+  auto record = client_->get(detail::kJobRecordKey);
   std::string job, nonce;
   if (record) {
     std::istringstream(*record) >> job >> nonce;
@@ -181,14 +167,14 @@ std::string LauncherStore::prove(const std::string& claim) {
   if (secret_.empty()) {
     return "-";
   }
-  return detail::prove(secret_, "ft|" + job_id_ + "|" + claim + "|" + nonce());
+  return detail::prove(secret_, detail::fault_tolerance_claim(job_id_, claim, nonce()));
 }
 
 bool LauncherStore::proven(const std::string& claim, const std::string& proof) {
   if (secret_.empty()) {
     return proof == "-";
   }
-  return detail::proven(secret_, "ft|" + job_id_ + "|" + claim + "|" + nonce(), proof);
+  return detail::proven(secret_, detail::fault_tolerance_claim(job_id_, claim, nonce()), proof);
 }
 
 void LauncherStore::begin_attempt(int attempt) {
