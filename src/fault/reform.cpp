@@ -192,6 +192,9 @@ void FaultTolerance::Impl::bring_up_to_date(World& next, const std::vector<Membe
     program_state = out.str();
   }
   detail::broadcast_bytes(next, source, program_state, "the program's state of " + what);
+  if (next.rank() != source && !behind) {
+    return; // up to date: nothing to announce or check
+  }
   detail::Digest digest;
   digest.add(&sender.step, sizeof(sender.step));
   for (const auto& flat : flats) {
