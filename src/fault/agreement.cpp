@@ -162,10 +162,15 @@ std::optional<std::pair<int64_t, std::vector<Member>>> Agreement::next_epoch(
                        ": no world formed within FaultToleranceOptions::timeout (",
                        seconds(options_.timeout), "): ", describe(absent),
                        " of the last world neither came back nor failed.");
-      LOCKSTEP_FAIL(FaultToleranceError, "rank ", me.replica, ": ", candidates.size(),
-                    " rank(s) can train, fewer than min_world_size ", options_.min_world_size,
-                    ", and no other came back within FaultToleranceOptions::timeout (",
-                    seconds(options_.timeout), ").");
+      LOCKSTEP_ENFORCE(static_cast<int>(candidates.size()) >= options_.min_world_size,
+                       FaultToleranceError, "rank ", me.replica, ": ", candidates.size(),
+                       " rank(s) can train, fewer than min_world_size ",
+                       options_.min_world_size, ", and no other came back within "
+                       "FaultToleranceOptions::timeout (", seconds(options_.timeout), ").");
+      LOCKSTEP_FAIL(FaultToleranceError, "rank ", me.replica, ": no world formed within "
+                    "FaultToleranceOptions::timeout (", seconds(options_.timeout), "): ",
+                    describe(candidates), " came for epoch ", target, ", but the rank that "
+                    "decides it did not (it failed, or lost the job's store, meanwhile).");
     }
   }
 }
