@@ -81,6 +81,7 @@ std::optional<std::pair<int64_t, std::vector<Member>>> Agreement::next_epoch(
   const auto& expected = latest.members;
   auto start = Clock::now();
   bool judged = false;
+  std::optional<Clock::time_point> state_gone_since;
   auto decided = [&](std::vector<Member> members) {
     return std::optional<std::pair<int64_t, std::vector<Member>>>({target, std::move(members)});
   };
@@ -147,6 +148,19 @@ std::optional<std::pair<int64_t, std::vector<Member>>> Agreement::next_epoch(
     int64_t lineage = membership_.lineage();
     bool state_lives = std::any_of(candidates.begin(), candidates.end(),
                                    [&](const Member& c) { return c.trained == lineage; });
+    if (!state_lives && absent.empty() && !candidates.empty() && me.step < 0) {
+      // The ranks that held the state may have ended their loop: each
+      // exits, and its launcher then records the end. A restarted rank
+      // that came late waits that long before taking them for failed (the
+      // end found, it leaves as above).
+      if (!state_gone_since) {
+        state_gone_since = Clock::now();
+      }
+      if (Clock::now() - *state_gone_since < 2 * liveness_.heartbeat_timeout() &&
+          Clock::now() < deadline) {
+        continue;
+      }
+    }
     LOCKSTEP_ENFORCE(
         !absent.empty() || state_lives || candidates.empty(), FaultToleranceError, "rank ",
         me.replica, ": every rank that held the trained state has failed (the last world was ",
