@@ -223,7 +223,18 @@ TEST(StepInBackwardErrors, EachMisuseIsNamed) {
       auto [x, y] = batch(0, 2);
       adam.zero_grad();
       torch::mse_loss(ddp(shard(x, rank, kPerRank)), shard(y, rank, kPerRank)).backward();
-      adam.step(); // the mistake: the parameters already stepped
+      // Each gradient was freed once its parameter stepped, so a stray
+      // step (the mistake at the end of a loop) changes nothing.
+      auto stepped = flatten(ddp.module()->parameters()).clone();
+      for (const auto& param : ddp.module()->parameters()) {
+        EXPECT_FALSE(param.grad().defined());
+      }
+      adam.step();
+      EXPECT_TRUE(flatten(ddp.module()->parameters()).equal(stepped));
+      {
+        torch::NoGradGuard no_grad; // any other write in place is a second step
+        ddp.module()->fc1->weight.add_(1.0);
+      }
       expect_error<UsageError>([&] { ddp(shard(x, rank, kPerRank)); },
                                {"changed in place after the step inside backward",
                                 "optimizer.step() was called", "Remove the call"});

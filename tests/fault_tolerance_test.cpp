@@ -377,6 +377,25 @@ TEST(FaultTolerance, ARankThatEndsWithAnErrorIsRestartedAndRejoins) {
   expect_committed_steps_match(out, 3, reference(200));
 }
 
+// A program that keeps state of its own out of the live transfer (here its
+// learning-rate schedule): the rank that rejoins steps with another rate
+// from its 50th step on, and the check at the end names the likely cause.
+TEST(FaultTolerance, ADivergenceAfterARejoinNamesTheLikelyCause) {
+  ScratchFolder out("ft-unregistered");
+  auto result = run_process(elastic_job(2, 1, 120, out, 10),
+                            {{"LOCKSTEP_TEST_KILLS", "1:0:10:forward"},
+                             {"LOCKSTEP_TEST_UNREGISTERED_SCHEDULE", "1"},
+                             {"LOCKSTEP_TIMEOUT", "20"}},
+                            std::chrono::seconds(120));
+  EXPECT_FALSE(result.ok()) << result.output;
+  EXPECT_EQ(occurrences(result.output, "received the live state"), 1) << result.output;
+  EXPECT_NE(result.output.find("the replicas diverged"), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("The world re-formed since the last check (a rank rejoined"),
+            std::string::npos)
+      << result.output;
+  EXPECT_NE(result.output.find("must be registered"), std::string::npos) << result.output;
+}
+
 struct Footprint {
   int files = 0;
   int threads = 0;

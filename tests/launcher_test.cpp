@@ -67,6 +67,29 @@ TEST(Launcher, PrefixesEverySegmentOfAProgressLine) {
   EXPECT_TRUE(contains(result.output, "[0] step 1\r[0] step 2\r[0] step 3\n")) << result.output;
 }
 
+// torchrun's --local-ranks-filter: the lines of the ranks named, and of a
+// rank left out only when it fails (its last 20, so that the failure says
+// something).
+TEST(Launcher, ShowsTheLinesOfTheFilteredRanksAndOfAFailure) {
+  auto quiet = launch({"--nproc-per-node", "3", "--ranks-filter", "0,2", "--", "sh", "-c",
+                       "echo hello from $RANK"});
+  ASSERT_TRUE(quiet.ok()) << quiet.output;
+  EXPECT_TRUE(contains(quiet.output, "[0] hello from 0")) << quiet.output;
+  EXPECT_TRUE(contains(quiet.output, "[2] hello from 2")) << quiet.output;
+  EXPECT_FALSE(contains(quiet.output, "[1] ")) << quiet.output;
+  auto failing = launch({"--nproc-per-node", "2", "--ranks-filter", "0", "--", "sh", "-c",
+                         "for i in $(seq 1 30); do echo line $i of $RANK; done; "
+                         "if [ $RANK = 1 ]; then exit 3; fi; sleep 60"});
+  EXPECT_EQ(failing.exit_code, 1);
+  EXPECT_TRUE(contains(failing.output, "[1] line 30 of 1\n")) << failing.output;
+  EXPECT_TRUE(contains(failing.output, "[1] line 11 of 1\n")) << failing.output;
+  EXPECT_FALSE(contains(failing.output, "[1] line 10 of 1\n")) << failing.output;
+  EXPECT_TRUE(contains(failing.output, "[0] line 1 of 0\n")) << failing.output;
+  EXPECT_LT(failing.output.find("[1] line 30 of 1"),
+            failing.output.find("lockstep-run: rank 1 exited with code 3"))
+      << failing.output;
+}
+
 TEST(Launcher, NamesAnUncaughtException) {
   auto result = launch({"--nproc-per-node", "2", "--", "sh", "-c",
                         "if [ $RANK = 1 ]; then kill -ABRT $$; fi; sleep 5"});
@@ -248,7 +271,8 @@ TEST(Launcher, BadCommandLinesExitWithUsage) {
            {"--nproc-per-node", "two", "--", "true"},
            {"--nnodes", "2", "--", "true"},
            {"--nnodes", "2", "--node-rank", "2", "--master-addr", "a", "--master-port", "1", "--", "true"},
-           {"--nproc-per-node", "2"}}) {
+           {"--nproc-per-node", "2"},
+           {"--ranks-filter", "0,x", "--", "true"}}) {
     auto result = launch(args);
     EXPECT_EQ(result.exit_code, 2) << args.front();
     EXPECT_TRUE(contains(result.output, "usage: lockstep-run")) << result.output;

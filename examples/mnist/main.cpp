@@ -2,8 +2,8 @@
 //
 //   lockstep-run --nproc-per-node 2 -- mnist_train --data data/mnist --epochs 1
 //
-// Each rank trains on its shard (DistributedRandomSampler, a new shuffle per
-// epoch); rank 0 shows progress. After each epoch the whole test set is
+// Each rank trains on its shard (lockstep::DistributedSampler, a new shuffle
+// per epoch); rank 0 shows progress. After each epoch the whole test set is
 // scored, sharded over the ranks, and a checkpoint is written.
 
 #include <unistd.h>
@@ -181,12 +181,15 @@ int run(const mnist::Flags& flags) {
   auto start = Clock::now();
   int64_t images = 0;
   double accuracy = 0;
+  // Each rank its shard of a new shuffle per epoch, as PyTorch's
+  // DistributedSampler draws it; set_epoch reaches the loader's copy.
+  lockstep::DistributedSampler sampler(train_size, world,
+                                       lockstep::DistributedSamplerOptions().drop_last(true));
+  auto loader = torch::data::make_data_loader(
+      train, sampler, torch::data::DataLoaderOptions().batch_size(flags.batch_size));
   for (int64_t epoch = first_epoch; epoch <= flags.epochs; ++epoch) {
-    torch::data::samplers::DistributedRandomSampler sampler(
-        train_size, world.size(), world.rank(), /*allow_duplicates=*/false);
-    sampler.set_epoch(static_cast<size_t>(epoch));
-    // Without duplicates, each rank gets size / world_size samples.
-    int64_t shard = static_cast<int64_t>(train_size) / world.size();
+    sampler.set_epoch(epoch);
+    auto shard = static_cast<int64_t>(sampler.size());
     int64_t steps = (shard + flags.batch_size - 1) / flags.batch_size;
     if (flags.max_steps > 0) {
       steps = std::min(steps, flags.max_steps);
@@ -195,9 +198,6 @@ int run(const mnist::Flags& flags) {
       // Ranks that run out shadow the others inside the join guard below.
       steps = std::max<int64_t>(1, steps * std::max(1, 10 - world.rank()) / 10);
     }
-    auto loader = torch::data::make_data_loader(
-        train, std::move(sampler),
-        torch::data::DataLoaderOptions().batch_size(flags.batch_size));
     auto epoch_start = Clock::now();
     int64_t step = 0;
     int64_t epoch_images = 0;
@@ -238,6 +238,11 @@ int run(const mnist::Flags& flags) {
                     static_cast<long long>(steps));
       }
     }
+    // Each rank's BatchNorm statistics follow its own shard until the next
+    // forward through the wrapper syncs them; the evaluation below goes
+    // around it, so every rank takes rank 0's first (nothing without
+    // BatchNorm).
+    ddp.sync_buffers();
     accuracy = test_accuracy(world, model, flags.data);
     if (lead) {
       std::printf("epoch %lld: test accuracy %.2f%%\n", static_cast<long long>(epoch),

@@ -18,7 +18,8 @@ struct IterationStats {
   /// Time the optimizer stepped inside backward (ddp.step_in_backward),
   /// part of backward_ms and not of comm_wait_ms.
   double step_ms = 0;
-  /// Bytes handed to all-reduce (gradients and per-parameter flags).
+  /// Bytes handed to all-reduce (gradients and per-parameter flags); 0 in
+  /// a world of one, where nothing is sent.
   int64_t bytes_reduced = 0;
   /// Buffer broadcasts before forward (each covers all buffers).
   int64_t buffer_broadcasts = 0;

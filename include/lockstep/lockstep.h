@@ -8,6 +8,7 @@
 #include <lockstep/ddp_options.h>
 #include <lockstep/ddp_stats.h>
 #include <lockstep/debug_level.h>
+#include <lockstep/distributed_sampler.h>
 #include <lockstep/error.h>
 #include <lockstep/fault_tolerance.h>
 #include <lockstep/join.h>

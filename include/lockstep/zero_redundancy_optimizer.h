@@ -11,6 +11,17 @@
 //   torch::nll_loss(ddp(x), y).backward();
 //   optimizer.step();                       // collective
 //
+// Parameter groups as torch::optim takes them (each group's options apply
+// to its parameters, wherever they are sharded):
+//
+//   std::vector<torch::optim::OptimizerParamGroup> groups;
+//   groups.emplace_back(weights, std::make_unique<torch::optim::AdamWOptions>(
+//                                    torch::optim::AdamWOptions(1e-3).weight_decay(0.1)));
+//   groups.emplace_back(biases_and_norms, std::make_unique<torch::optim::AdamWOptions>(
+//                                             torch::optim::AdamWOptions(1e-3).weight_decay(0)));
+//   lockstep::ZeroRedundancyOptimizer<torch::optim::AdamW> optimizer(
+//       std::move(groups), world, torch::optim::AdamWOptions(1e-3));
+//
 // `ddp.step_in_backward(optimizer)` instead steps each bucket's part of the
 // shard as soon as the bucket is averaged (PyTorch's overlap_with_ddp). See
 // docs/ddp.md.
@@ -30,14 +41,15 @@ namespace lockstep {
 
 /// How a ZeroRedundancyOptimizer divides the parameters among the ranks.
 enum class ZeroPartition {
-  /// Whole parameters, largest first, each to the rank that owns the fewest
-  /// elements so far (PyTorch's rule). A model of few large tensors cannot
-  /// be divided evenly so.
+  /// Whole parameters, group by group, largest first within a group, each
+  /// to the rank that owns the fewest elements so far (PyTorch's rule). A
+  /// model of few large tensors cannot be divided evenly so.
   Parameters,
-  /// Equal slices of all parameters laid end to end (DeepSpeed's way): every
-  /// rank owns 1/N of the elements, a parameter may be split between ranks.
-  /// For optimizers that treat each element on its own, as every one in
-  /// torch::optim does (LBFGS aside), the result is the same to the bit.
+  /// Equal slices of each group's parameters laid end to end (DeepSpeed's
+  /// way): every rank owns 1/N of each group's elements, a parameter may be
+  /// split between ranks. For optimizers that treat each element on its
+  /// own, as every one in torch::optim does (LBFGS aside), the result is the
+  /// same to the bit.
   Elements,
 };
 
@@ -55,19 +67,29 @@ struct ZeroOptions {
 };
 
 /// A part of one parameter that one rank owns: elements [offset, offset +
-/// length) of parameter `param`, flattened.
+/// length) of parameter `param` (counted over every group, in order),
+/// flattened; `group` is the parameter's group.
 struct ZeroPiece {
   size_t param = 0;
   int64_t offset = 0;
   int64_t length = 0;
   int owner = 0;
+  size_t group = 0;
 };
 
-/// The pieces of parameters of `numels` elements among `world_size` ranks,
-/// in parameter order (and, within one, in offset order). Parameters: one
-/// piece per parameter, largest first, each to the rank that owns the fewest
-/// elements so far (the lowest such rank). Elements: rank r owns elements
-/// [r S, (r + 1) S) of all parameters end to end, S = ceil(total / N).
+/// The pieces of parameters of `numels` elements (one list per parameter
+/// group) among `world_size` ranks, in parameter order (and, within one, in
+/// offset order). Parameters: one piece per parameter; group by group,
+/// largest first, each to the rank that owns the fewest elements so far
+/// over all groups (the lowest such rank). Elements: of each group, rank r
+/// owns elements [r S, (r + 1) S) of its parameters end to end, S =
+/// ceil(group's total / N). A group added last leaves the pieces of the
+/// groups before it as they were.
+std::vector<ZeroPiece> partition_parameter_groups(
+    const std::vector<std::vector<int64_t>>& numels, int world_size,
+    ZeroPartition partition = ZeroPartition::Parameters);
+
+/// partition_parameter_groups of one group.
 std::vector<ZeroPiece> partition_parameters(const std::vector<int64_t>& numels, int world_size,
                                             ZeroPartition partition = ZeroPartition::Parameters);
 
@@ -77,16 +99,26 @@ namespace detail {
 /// optimizer's type.
 class ShardedOptimizer : public torch::optim::Optimizer {
  public:
-  using MakeOptimizer =
-      std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)>;
+  using MakeOptimizer = std::function<std::unique_ptr<torch::optim::Optimizer>(
+      std::vector<torch::optim::OptimizerParamGroup>)>;
 
-  ShardedOptimizer(std::vector<at::Tensor> params, World world, MakeOptimizer make,
-                   std::unique_ptr<torch::optim::OptimizerOptions> defaults,
+  /// Collective (it checks that every rank holds the same parameters).
+  ShardedOptimizer(std::vector<torch::optim::OptimizerParamGroup> groups, World world,
+                   MakeOptimizer make, std::unique_ptr<torch::optim::OptimizerOptions> defaults,
                    ZeroOptions options);
 
-  /// Collective: steps this rank's shard, then every rank takes each
-  /// parameter from the rank that owns it. Takes no closure.
+  /// Collective: calls `closure` when given (it computes the gradients: on
+  /// every rank, as in PyTorch), steps this rank's shard, then every rank
+  /// takes each parameter from the rank that owns it. Returns the closure's
+  /// loss, or an undefined tensor.
   at::Tensor step(LossClosure closure = nullptr) override;
+  /// Collective, on every rank with the same group: adds a parameter group
+  /// (its options, or the defaults where it has none) and shards it as
+  /// the constructor would have; the pieces of the groups before it stay
+  /// where they are, with their state. torch::optim::Optimizer's own
+  /// add_param_group is not virtual: call this one on the
+  /// ZeroRedundancyOptimizer, not through a base-class reference.
+  void add_param_group(const torch::optim::OptimizerParamGroup& group);
   /// The state as ZeroOptions::checkpoint_shards says; on the rank that
   /// gathered it (save_checkpoint does: rank 0), after
   /// consolidate_state_dict when consolidated.
@@ -104,10 +136,10 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   /// the same type over every parameter, holding the whole state.
   torch::optim::Optimizer& consolidated();
 
-  /// Every parameter, in the order given (torch::optim's parameters()
-  /// warns that it is going away).
+  /// Every parameter of every group, in the order given (torch::optim's
+  /// parameters() warns that it is going away).
   const std::vector<at::Tensor>& all_parameters() const {
-    return param_groups().front().params();
+    return all_;
   }
   /// Who owns what, as partition_parameters says.
   const std::vector<ZeroPiece>& pieces() const {
@@ -135,6 +167,19 @@ class ShardedOptimizer : public torch::optim::Optimizer {
  private:
   /// Every rank's shard as bytes, on rank `to`.
   std::vector<std::string> gather_shards(int to);
+  /// Appends group `g`'s parameters and their pieces; this rank's pieces
+  /// join the shard.
+  void take_group(size_t g);
+  /// Every rank must hold the same parameters in the same groups, or the
+  /// owners disagree and each broadcast pairs different tensors.
+  void check_same_parameters_as_rank_zero();
+  /// This rank's pieces, and one whole piece per parameter.
+  std::vector<ZeroPiece> mine_pieces() const;
+  std::vector<ZeroPiece> whole_pieces() const;
+  /// The groups of an optimizer over `tensors`, each of `pieces`' group,
+  /// with this optimizer's options.
+  std::vector<torch::optim::OptimizerParamGroup> groups_of(
+      const std::vector<at::Tensor>& tensors, const std::vector<ZeroPiece>& pieces) const;
   /// An optimizer over every parameter, holding the state of `shards`
   /// saved under `partition` among `world_size` ranks.
   std::unique_ptr<torch::optim::Optimizer> assemble(
@@ -148,13 +193,17 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   /// parameter's gradient.
   void point_piece_gradients();
   /// The learning rate and the other options, as a scheduler set them on
-  /// this optimizer's group, into `target`'s groups.
+  /// this optimizer's groups, into `target`'s (the same count).
   void copy_options_to(torch::optim::Optimizer& target) const;
+  /// The saved options that `source` loaded, into this optimizer's groups.
+  void take_options_from(const torch::optim::Optimizer& source);
   void broadcast_from_owners(const std::vector<at::Tensor>& params);
 
   World world_;
   MakeOptimizer make_;
   ZeroOptions options_;
+  std::vector<at::Tensor> all_;      // every group's parameters, end to end
+  std::vector<int64_t> owned_;       // elements each rank owns (ZeroPartition::Parameters)
   std::vector<ZeroPiece> pieces_;
   // Per parameter, by its TensorImpl: the indices of its pieces.
   std::unordered_map<const c10::TensorImpl*, std::vector<size_t>> pieces_of_;
@@ -170,23 +219,40 @@ class ShardedOptimizer : public torch::optim::Optimizer {
 } // namespace detail
 
 /// A sharded `Optim` (torch::optim::Adam, AdamW, SGD, ...): see the top of
-/// this header. Built on every rank with the same parameters; one parameter
-/// group (a learning-rate scheduler sets its options as usual).
+/// this header. Built on every rank with the same parameters in the same
+/// groups; a learning-rate scheduler sets the groups' options as usual.
 template <typename Optim>
 class ZeroRedundancyOptimizer : public detail::ShardedOptimizer {
  public:
+  /// One group of `params`, with `options`.
   template <typename OptimOptions>
   ZeroRedundancyOptimizer(std::vector<at::Tensor> params, World world,
                           const OptimOptions& options, ZeroOptions zero = {})
+      : ZeroRedundancyOptimizer(one_group(std::move(params)), std::move(world), options,
+                                zero) {}
+
+  /// `groups`, each with its own options or, where it has none, `options`.
+  template <typename OptimOptions>
+  ZeroRedundancyOptimizer(std::vector<torch::optim::OptimizerParamGroup> groups, World world,
+                          const OptimOptions& options, ZeroOptions zero = {})
       : ShardedOptimizer(
-            std::move(params), std::move(world),
-            [options](std::vector<at::Tensor> shard) -> std::unique_ptr<torch::optim::Optimizer> {
+            std::move(groups), std::move(world),
+            [options](std::vector<torch::optim::OptimizerParamGroup> shard)
+                -> std::unique_ptr<torch::optim::Optimizer> {
               return std::make_unique<Optim>(std::move(shard), options);
             },
             std::make_unique<OptimOptions>(options), zero) {}
 
   Optim& local() {
     return static_cast<Optim&>(local_optimizer());
+  }
+
+ private:
+  static std::vector<torch::optim::OptimizerParamGroup> one_group(
+      std::vector<at::Tensor> params) {
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(std::move(params));
+    return groups;
   }
 };
 

@@ -11,6 +11,7 @@
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
+#include "optim/optimizer_bytes.h"
 #include "reducer/model_state.h"
 
 namespace lockstep::detail {
@@ -237,7 +238,7 @@ RestoredCheckpoint restore_checkpoint(const std::string& path,
     for (const auto& [name, optimizer] : items.optimizers()) {
       torch::serialize::InputArchive optimizer_archive;
       archive.read("optimizer/" + name, optimizer_archive);
-      optimizer->load(optimizer_archive);
+      load_optimizer(*optimizer, optimizer_archive);
     }
     archive.read("rng_ranks", value);
     restored.generator_ranks = value.toInt();
@@ -255,7 +256,7 @@ RestoredCheckpoint restore_checkpoint(const std::string& path,
     if (!items.optimizers().empty()) {
       torch::serialize::InputArchive optimizer_archive;
       archive.read("optimizer", optimizer_archive);
-      items.optimizers()[0].second->load(optimizer_archive);
+      load_optimizer(*items.optimizers()[0].second, optimizer_archive);
     }
     archive.read("rng", restored.generator_state);
     restored.generator_ranks = 1;

@@ -2,9 +2,12 @@
 
 #include <sstream>
 
+#include <ATen/ATen.h>
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
+
+#include <lockstep/error.h>
 
 namespace lockstep::detail {
 
@@ -20,7 +23,37 @@ void load_optimizer_bytes(torch::optim::Optimizer& optimizer, const std::string&
   std::istringstream in(bytes);
   torch::serialize::InputArchive archive;
   archive.load_from(in);
+  load_optimizer(optimizer, archive);
+}
+
+void load_optimizer(torch::optim::Optimizer& optimizer, torch::serialize::InputArchive& archive) {
   optimizer.load(archive);
+  load_group_options(optimizer, archive);
+}
+
+void load_group_options(torch::optim::Optimizer& optimizer,
+                        torch::serialize::InputArchive& archive) {
+  // The layout that torch/optim/serialize.h writes: param_groups/size, then
+  // param_groups/<i>/options, read by the options' own serialize.
+  torch::serialize::InputArchive groups;
+  if (!archive.try_read("param_groups", groups)) {
+    return;
+  }
+  at::Tensor count;
+  groups.read("param_groups/size", count);
+  auto& mine = optimizer.param_groups();
+  LOCKSTEP_ENFORCE(count.item<int64_t>() == static_cast<int64_t>(mine.size()), CheckpointError,
+                   "the saved optimizer has ", count.item<int64_t>(), " parameter groups, this "
+                   "one ", mine.size(), ": build it with the same groups as the one saved.");
+  for (size_t i = 0; i < mine.size(); ++i) {
+    torch::serialize::InputArchive group;
+    groups.read("param_groups/" + std::to_string(i), group);
+    torch::serialize::InputArchive saved;
+    group.read("options", saved);
+    auto options = mine[i].options().clone();
+    options->serialize(saved);
+    mine[i].set_options(std::move(options));
+  }
 }
 
 } // namespace lockstep::detail

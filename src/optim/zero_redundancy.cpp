@@ -7,9 +7,6 @@
 
 #include <lockstep/zero_redundancy_optimizer.h>
 
-#include <algorithm>
-#include <numeric>
-
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/serialize/input-archive.h>
@@ -20,43 +17,10 @@
 #include "common/wording.h"
 #include "optim/optimizer_bytes.h"
 #include "optim/parameter_state.h"
+#include "optim/zero_partition.h"
 #include "world/broadcast_bytes.h"
 
-namespace lockstep {
-
-std::vector<ZeroPiece> partition_parameters(const std::vector<int64_t>& numels, int world_size,
-                                            ZeroPartition partition) {
-  std::vector<ZeroPiece> pieces;
-  if (partition == ZeroPartition::Elements) {
-    int64_t total = std::accumulate(numels.begin(), numels.end(), int64_t{0});
-    int64_t slice = std::max<int64_t>(1, (total + world_size - 1) / world_size);
-    int64_t start = 0; // of the current parameter, end to end
-    for (size_t index = 0; index < numels.size(); ++index) {
-      for (int64_t offset = 0; offset < numels[index];) {
-        int owner = static_cast<int>((start + offset) / slice);
-        int64_t length = std::min(numels[index] - offset, (owner + 1) * slice - start - offset);
-        pieces.push_back({index, offset, length, owner});
-        offset += length;
-      }
-      start += numels[index];
-    }
-    return pieces;
-  }
-  std::vector<size_t> largest_first(numels.size());
-  std::iota(largest_first.begin(), largest_first.end(), 0);
-  std::stable_sort(largest_first.begin(), largest_first.end(),
-                   [&](size_t a, size_t b) { return numels[a] > numels[b]; });
-  std::vector<int64_t> owned(world_size, 0);
-  pieces.resize(numels.size());
-  for (size_t index : largest_first) {
-    int rank = static_cast<int>(std::min_element(owned.begin(), owned.end()) - owned.begin());
-    pieces[index] = {index, 0, numels[index], rank};
-    owned[rank] += numels[index];
-  }
-  return pieces;
-}
-
-namespace detail {
+namespace lockstep::detail {
 namespace {
 
 constexpr const char* kShardCount = "lockstep_zero_shards";
@@ -72,27 +36,54 @@ std::vector<int64_t> numels_of(const std::vector<at::Tensor>& params) {
 
 } // namespace
 
-ShardedOptimizer::ShardedOptimizer(std::vector<at::Tensor> params, World world,
-                                   MakeOptimizer make,
+ShardedOptimizer::ShardedOptimizer(std::vector<torch::optim::OptimizerParamGroup> groups,
+                                   World world, MakeOptimizer make,
                                    std::unique_ptr<torch::optim::OptimizerOptions> defaults,
                                    ZeroOptions options)
-    : Optimizer(std::move(params), std::move(defaults)),
+    : Optimizer(std::move(groups), std::move(defaults)),
       world_(std::move(world)),
       make_(std::move(make)),
-      options_(options) {
-  const auto& all = all_parameters();
-  pieces_ = partition_parameters(numels_of(all), world_.size(), options_.partition());
-  for (size_t p = 0; p < pieces_.size(); ++p) {
+      options_(options),
+      owned_(world_.size(), 0) {
+  for (size_t g = 0; g < param_groups().size(); ++g) {
+    take_group(g);
+  }
+  LOCKSTEP_ENFORCE(!all_.empty(), UsageError, "ZeroRedundancyOptimizer got an empty parameter "
+                   "list: give it the parameters it shards (for example "
+                   "model->parameters()).");
+  local_ = make_(groups_of(shard_, mine_pieces()));
+  check_same_parameters_as_rank_zero();
+}
+
+void ShardedOptimizer::add_param_group(const torch::optim::OptimizerParamGroup& group) {
+  Optimizer::add_param_group(group);
+  size_t g = param_groups().size() - 1;
+  size_t first_mine = shard_.size();
+  take_group(g);
+  std::vector<at::Tensor> added(shard_.begin() + static_cast<std::ptrdiff_t>(first_mine),
+                                shard_.end());
+  local_->add_param_group(
+      torch::optim::OptimizerParamGroup(std::move(added), param_groups()[g].options().clone()));
+  check_same_parameters_as_rank_zero();
+}
+
+void ShardedOptimizer::take_group(size_t g) {
+  const auto& params = param_groups()[g].params();
+  size_t first = all_.size();
+  size_t first_piece = pieces_.size();
+  all_.insert(all_.end(), params.begin(), params.end());
+  partition_group(numels_of(params), first, g, options_.partition(), owned_, pieces_);
+  for (size_t p = first_piece; p < pieces_.size(); ++p) {
     const auto& piece = pieces_[p];
-    LOCKSTEP_ENFORCE(piece.length == all[piece.param].numel() ||
-                         all[piece.param].is_contiguous(),
-                     UsageError, "ZeroPartition::Elements splits a parameter of shape ",
-                     all[piece.param].sizes(), " that is not contiguous; make it contiguous "
-                     "or partition by parameters.");
-    pieces_of_[all[piece.param].unsafeGetTensorImpl()].push_back(p);
+    const auto& param = all_[piece.param];
+    LOCKSTEP_ENFORCE(piece.length == param.numel() || param.is_contiguous(), UsageError,
+                     "ZeroPartition::Elements splits a parameter of shape ", param.sizes(),
+                     " that is not contiguous; make it contiguous or partition by "
+                     "parameters.");
+    pieces_of_[param.unsafeGetTensorImpl()].push_back(p);
     piece_what_.push_back(str(
-        "parameter ", all[piece.param].sizes(),
-        piece.length < all[piece.param].numel()
+        "parameter ", param.sizes(),
+        piece.length < param.numel()
             ? str(" (elements ", piece.offset, " to ", piece.offset + piece.length, ")")
             : std::string(),
         " from rank ", piece.owner, ", its owner in the ZeroRedundancyOptimizer"));
@@ -101,17 +92,68 @@ ShardedOptimizer::ShardedOptimizer(std::vector<at::Tensor> params, World world,
       shard_.push_back(piece_tensor(piece));
     }
   }
-  local_ = make_(shard_);
-  // Every rank must hold the same parameters, or the owners disagree and
-  // each broadcast pairs different tensors.
-  auto mine = at::tensor(numels_of(all), at::kLong);
-  auto first = mine.clone();
-  world_.broadcast(first, 0, "the parameter sizes of a ZeroRedundancyOptimizer");
-  LOCKSTEP_ENFORCE(first.equal(mine), UsageError, "rank ", world_.rank(), ": this "
-                   "ZeroRedundancyOptimizer holds parameters of other sizes than rank 0's (",
-                   mine.numel(), " against ", first.numel(), " tensors, or the same count in "
-                   "another shape): every rank must build it over the same parameters, in "
-                   "the same order.");
+}
+
+void ShardedOptimizer::check_same_parameters_as_rank_zero() {
+  // A fixed-size summary on every rank, so that ranks holding different
+  // counts still exchange the same bytes, and every rank hears of it.
+  uint64_t hash = 1469598103934665603ull;
+  auto mix = [&hash](uint64_t value) { hash = (hash ^ value) * 1099511628211ull; };
+  for (const auto& group : param_groups()) {
+    mix(group.params().size());
+    for (const auto& param : group.params()) {
+      mix(static_cast<uint64_t>(param.numel()));
+    }
+  }
+  auto mine = at::tensor({static_cast<int64_t>(all_.size()),
+                          static_cast<int64_t>(param_groups().size()),
+                          static_cast<int64_t>(hash)}, at::kLong);
+  auto all = world_.all_gather(mine);
+  std::vector<int> differ;
+  for (int rank = 1; rank < world_.size(); ++rank) {
+    if (!all[rank].equal(all[0])) {
+      differ.push_back(rank);
+    }
+  }
+  LOCKSTEP_ENFORCE(differ.empty(), UsageError, "rank ", world_.rank(), ": the "
+                   "ZeroRedundancyOptimizer of ", differ.size() == 1 ? "rank " : "ranks ",
+                   rank_list(differ), " holds other parameters than rank 0's (rank 0: ",
+                   all[0][0].item<int64_t>(), " tensors in ", all[0][1].item<int64_t>(),
+                   " groups; rank ", differ.empty() ? 0 : differ[0], ": ",
+                   all[differ.empty() ? 0 : differ[0]][0].item<int64_t>(), " in ",
+                   all[differ.empty() ? 0 : differ[0]][1].item<int64_t>(), ", or the same "
+                   "counts in other sizes): every rank must build it over the same "
+                   "parameters, in the same groups and order.");
+}
+
+std::vector<ZeroPiece> ShardedOptimizer::mine_pieces() const {
+  std::vector<ZeroPiece> mine;
+  for (size_t p : mine_) {
+    mine.push_back(pieces_[p]);
+  }
+  return mine;
+}
+
+std::vector<ZeroPiece> ShardedOptimizer::whole_pieces() const {
+  std::vector<ZeroPiece> whole(all_.size());
+  for (const auto& piece : pieces_) {
+    whole[piece.param] = {piece.param, 0, all_[piece.param].numel(), 0, piece.group};
+  }
+  return whole;
+}
+
+std::vector<torch::optim::OptimizerParamGroup> ShardedOptimizer::groups_of(
+    const std::vector<at::Tensor>& tensors, const std::vector<ZeroPiece>& pieces) const {
+  TORCH_INTERNAL_ASSERT(tensors.size() == pieces.size());
+  std::vector<std::vector<at::Tensor>> members(param_groups().size());
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    members[pieces[i].group].push_back(tensors[i]);
+  }
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  for (size_t g = 0; g < members.size(); ++g) {
+    groups.emplace_back(std::move(members[g]), param_groups()[g].options().clone());
+  }
+  return groups;
 }
 
 at::Tensor ShardedOptimizer::piece_tensor(const ZeroPiece& piece) const {
@@ -149,23 +191,38 @@ void ShardedOptimizer::point_piece_gradients() {
 }
 
 void ShardedOptimizer::copy_options_to(torch::optim::Optimizer& target) const {
-  for (auto& group : target.param_groups()) {
-    group.set_options(param_groups().front().options().clone());
+  auto& groups = target.param_groups();
+  TORCH_INTERNAL_ASSERT(groups.size() == param_groups().size());
+  for (size_t g = 0; g < groups.size(); ++g) {
+    groups[g].set_options(param_groups()[g].options().clone());
+  }
+}
+
+void ShardedOptimizer::take_options_from(const torch::optim::Optimizer& source) {
+  const auto& groups = source.param_groups();
+  TORCH_INTERNAL_ASSERT(groups.size() == param_groups().size());
+  for (size_t g = 0; g < groups.size(); ++g) {
+    param_groups()[g].set_options(groups[g].options().clone());
   }
 }
 
 at::Tensor ShardedOptimizer::step(LossClosure closure) {
-  LOCKSTEP_ENFORCE(closure == nullptr, UsageError, "ZeroRedundancyOptimizer::step takes no "
-                   "closure: each rank evaluates its own loss before stepping.");
   LOCKSTEP_ENFORCE(!in_backward_, UsageError, "rank ", world_.rank(), ": this "
                    "ZeroRedundancyOptimizer already steps inside backward "
                    "(ddp.step_in_backward(optimizer)); calling step() as well would step "
                    "every shard twice with the same gradients. Remove the call to step().");
+  at::Tensor loss;
+  if (closure != nullptr) {
+    // Here rather than in the local optimizer's step, so that a rank whose
+    // shard is empty computes its gradients too.
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
   copy_options_to(*local_);
   point_piece_gradients();
   local_->step();
   broadcast_from_owners(all_parameters());
-  return {};
+  return loss;
 }
 
 void ShardedOptimizer::steps_in_backward() {
@@ -194,6 +251,9 @@ void ShardedOptimizer::step_parameters(const std::vector<at::Tensor>& params) {
   if (!mine.empty()) {
     point_piece_gradients();
     lockstep::step_parameters(*local_, mine);
+    for (auto& piece : mine) {
+      piece.mutable_grad().reset(); // a view of the gradient the reducer frees
+    }
   }
   broadcast_from_owners(params);
 }
@@ -218,7 +278,9 @@ int64_t ShardedOptimizer::state_bytes() const {
 
 std::vector<std::string> ShardedOptimizer::gather_shards(int to) {
   // Every rank's shard on every rank: simple, and a checkpoint's state is
-  // written rarely.
+  // written rarely. With the options as they are now (a scheduler may have
+  // set them since the last step).
+  copy_options_to(*local_);
   auto all = gather_bytes(world_, optimizer_bytes(*local_));
   std::vector<std::string> shards;
   if (world_.rank() == to) {
@@ -232,26 +294,38 @@ std::vector<std::string> ShardedOptimizer::gather_shards(int to) {
 std::unique_ptr<torch::optim::Optimizer> ShardedOptimizer::assemble(
     const std::vector<std::string>& shards, int world_size, ZeroPartition partition) {
   const auto& all = all_parameters();
-  auto pieces = partition_parameters(numels_of(all), world_size, partition);
+  std::vector<std::vector<int64_t>> numels;
+  for (const auto& group : param_groups()) {
+    numels.push_back(numels_of(group.params()));
+  }
+  auto pieces = partition_parameter_groups(numels, world_size, partition);
   // Each piece's state, as the rank that owned it saved it.
   std::vector<ParamState> states(pieces.size());
+  std::unique_ptr<torch::optim::Optimizer> first_part;
   for (int rank = 0; rank < world_size; ++rank) {
+    std::vector<ZeroPiece> owned_pieces;
     std::vector<size_t> owned;
     std::vector<at::Tensor> tensors;
     for (size_t p = 0; p < pieces.size(); ++p) {
       if (pieces[p].owner == rank) {
         owned.push_back(p);
+        owned_pieces.push_back(pieces[p]);
         tensors.push_back(piece_tensor(pieces[p]));
       }
     }
-    auto part = make_(tensors);
+    auto part = make_(groups_of(tensors, owned_pieces));
     load_optimizer_bytes(*part, shards[rank]);
     for (size_t i = 0; i < owned.size(); ++i) {
       states[owned[i]] = take_state(*part, tensors[i]);
     }
+    if (rank == 0) {
+      first_part = std::move(part); // its groups' options: every rank saved the same
+    }
   }
-  auto full = make_(all);
-  copy_options_to(*full);
+  auto full = make_(groups_of(all, whole_pieces()));
+  for (size_t g = 0; g < full->param_groups().size(); ++g) {
+    full->param_groups()[g].set_options(first_part->param_groups()[g].options().clone());
+  }
   for (size_t first = 0; first < pieces.size();) {
     size_t end = first;
     std::vector<ParamState> parts;
@@ -337,14 +411,15 @@ void ShardedOptimizer::load(torch::serialize::InputArchive& archive) {
     full = assemble(shards, static_cast<int>(count.toInt()),
                     static_cast<ZeroPartition>(partition.toInt()));
   } else {
-    full = make_(all_parameters());
-    full->load(archive);
+    full = make_(groups_of(all_parameters(), whole_pieces()));
+    load_optimizer(*full, archive);
   }
   take_shard_from(*full);
 }
 
 void ShardedOptimizer::take_shard_from(torch::optim::Optimizer& full) {
-  local_ = make_(shard_);
+  take_options_from(full); // the options saved (a scheduler's learning rate)
+  local_ = make_(groups_of(shard_, mine_pieces()));
   for (size_t i = 0; i < mine_.size(); ++i) {
     const auto& piece = pieces_[mine_[i]];
     const auto& param = all_parameters()[piece.param];
@@ -356,11 +431,6 @@ void ShardedOptimizer::take_shard_from(torch::optim::Optimizer& full) {
       put_state(*local_, shard_[i], state_slice(*whole, param, piece.offset, piece.length));
     }
   }
-  // The options saved (a scheduler's learning rate) are this optimizer's.
-  const auto& saved = full.param_groups().front().options();
-  param_groups().front().set_options(saved.clone());
-  copy_options_to(*local_);
 }
 
-} // namespace detail
-} // namespace lockstep
+} // namespace lockstep::detail

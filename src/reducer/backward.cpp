@@ -295,6 +295,9 @@ void Reducer::State::finish_backward() {
   stats.total.backward_ms += stats.last.backward_ms;
   stats.total.comm_wait_ms += stats.last.comm_wait_ms;
   stats.total.step_ms += stats.last.step_ms;
+  if (world.size() == 1) {
+    stats.last.bytes_reduced = 0; // a world of one sends nothing
+  }
   stats.total.bytes_reduced += stats.last.bytes_reduced;
   stats.bucket_launch_ms = times.launch_ms;
   stats.backward_end_ms = ms_between(backward.first_gradient, backward_end);

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <set>
+#include <utility>
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
@@ -79,7 +80,15 @@ void Reducer::State::check_replicas(ReplicaCheck what) {
       state.push_back({buffer, /*buffer=*/true, changed_owners.count(owner(buffer.name)) > 0});
     }
   }
-  check_replicas_agree(world, state);
+  std::string hint;
+  if (std::exchange(adopted_unchecked, false)) {
+    hint = " The world re-formed since the last check (a rank rejoined, with the live state "
+           "of a survivor): what that transfer does not carry is the likely cause. It carries "
+           "the model, the optimizer (its state and each group's options) and the states "
+           "registered with FaultTolerance::register_state; anything else the program keeps "
+           "and steps by (a scheduler's counter, its own variables) must be registered.";
+  }
+  check_replicas_agree(world, state, hint);
 }
 
 void Reducer::State::broadcast_buffers() {

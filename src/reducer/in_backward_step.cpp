@@ -97,6 +97,13 @@ void Reducer::State::step_parameters_of(const std::vector<size_t>& indices) {
     auto start = Clock::now();
     stepping.step(chosen);
     stats.last.step_ms += ms_between(start, Clock::now());
+    // Stepped: their gradients go, as PyTorch's _apply_optimizer_in_backward
+    // frees them. A stray optimizer.step() after backward then finds none
+    // and changes nothing (at the end of a loop no next forward would tell
+    // of it), and the memory is free until the next backward.
+    for (auto& param : chosen) {
+      param.mutable_grad().reset();
+    }
   }
 }
 

@@ -142,7 +142,8 @@ std::pair<int64_t, int64_t> checksum(const at::Tensor& tensor) {
 
 } // namespace
 
-void check_replicas_agree(World& world, const std::vector<ReplicaEntry>& state) {
+void check_replicas_agree(World& world, const std::vector<ReplicaEntry>& state,
+                          const std::string& hint) {
   auto mine = at::empty({static_cast<int64_t>(state.size()), 3}, at::kLong);
   auto* sums = mine.data_ptr<int64_t>();
   for (size_t i = 0; i < state.size(); ++i) {
@@ -170,7 +171,7 @@ void check_replicas_agree(World& world, const std::vector<ReplicaEntry>& state) 
         differing.empty() || state[i].buffer, UsageError, "the replicas diverged: '", name,
         "' on ", ranks_text(differing), " differs from rank 0's. Something changed it outside "
         "the optimizer step on some ranks (a manual edit, a rank-dependent update, a load "
-        "on one rank only).");
+        "on one rank only).", hint);
     LOCKSTEP_ENFORCE(
         differing.empty(), UsageError, "the replicas diverged: buffer '", name, "' on ",
         ranks_text(differing), " differs from rank 0's, though no rank changed it since the "
@@ -178,7 +179,7 @@ void check_replicas_agree(World& world, const std::vector<ReplicaEntry>& state) 
         "forward after which some rank changed one, and this one was changed on some ranks "
         "in a way that does not count as a change (through raw memory, or a load). Call "
         "ddp.sync_buffers() to give every rank rank 0's buffers now, or "
-        "ddp.check_replicas(ReplicaCheck::Parameters) to check the parameters alone.");
+        "ddp.check_replicas(ReplicaCheck::Parameters) to check the parameters alone.", hint);
   }
 }
 

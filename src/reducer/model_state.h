@@ -53,7 +53,9 @@ struct ReplicaEntry {
 /// bytes differ between ranks (two 64-bit checksums per tensor, gathered).
 /// A buffer that some rank changed since the last synchronisation is not
 /// compared: it differs legitimately until the next forward syncs it.
-void check_replicas_agree(World& world, const std::vector<ReplicaEntry>& state);
+/// `hint` ends the message of a difference (empty: nothing).
+void check_replicas_agree(World& world, const std::vector<ReplicaEntry>& state,
+                          const std::string& hint = {});
 
 /// Overwrites `tensors` on every rank with rank `root`'s values, in one
 /// broadcast per dtype; `what` names them in errors.

@@ -190,6 +190,9 @@ struct Reducer::State : std::enable_shared_from_this<State> {
     }
   }
   int64_t iteration = 0; // synchronised backward passes begun
+  // A world adopted (FaultTolerance re-formed it) and not checked since:
+  // the next check_replicas that fails names the likely cause.
+  bool adopted_unchecked = false;
   DdpStats stats;
 
   /// Raises UsageError unless no forward and no synchronised backward ran

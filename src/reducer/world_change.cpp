@@ -47,6 +47,7 @@ void Reducer::adopt_world(World world) {
   std::lock_guard<std::mutex> lock(state.mutex);
   TORCH_INTERNAL_ASSERT(!state.backward.open, "a world is adopted between iterations");
   state.world = std::move(world);
+  state.adopted_unchecked = true;
   state.backward = State::Backward{};
   state.active_ranks = state.world.size();
   state.buffer_root = 0;

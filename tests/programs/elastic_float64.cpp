@@ -19,7 +19,8 @@
 // exiting with 1 as C++ programs do).
 // The learning rate follows a StepLR (halved every 50 steps) whose step
 // count is registered with FaultTolerance::register_state, so that a rank
-// that rejoins continues the schedule. LOCKSTEP_TEST_STEP_TIMEOUT_MS sets
+// that rejoins continues the schedule (unless
+// LOCKSTEP_TEST_UNREGISTERED_SCHEDULE=1). LOCKSTEP_TEST_STEP_TIMEOUT_MS sets
 // FaultToleranceOptions::step_timeout.
 
 #include <unistd.h>
@@ -120,7 +121,10 @@ int train(int argc, char** argv) {
   // count is saved, and replayed on a fresh StepLR where it is loaded.
   auto scheduler = std::make_unique<torch::optim::StepLR>(optimizer, 50, 0.5);
   int64_t scheduled = 0;
-  ft.register_state(
+  // LOCKSTEP_TEST_UNREGISTERED_SCHEDULE=1: the mistake of a program that
+  // keeps its schedule to itself; a rank that rejoins then starts it anew.
+  const char* unregistered = std::getenv("LOCKSTEP_TEST_UNREGISTERED_SCHEDULE");
+  if (unregistered == nullptr || std::string(unregistered) != "1") ft.register_state(
       "scheduler",
       [&](torch::serialize::OutputArchive& archive) {
         archive.write("steps", torch::tensor(scheduled));

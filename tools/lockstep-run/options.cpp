@@ -1,5 +1,6 @@
 #include "options.h"
 
+#include <algorithm>
 #include <cstdlib>
 
 namespace lockstep::run {
@@ -24,6 +25,10 @@ options:
                        and port is then refused instead of joining this one
   --log-dir D          write each rank's output to D/rank-R.log instead of
                        prefixing its lines with [R] here
+  --ranks-filter LIST  show the lines of these ranks only (global ranks,
+                       comma-separated: "0" or "0,3"; torchrun's
+                       --local-ranks-filter); a rank left out that fails
+                       still shows its last 20 lines
   --max-restarts R     after a failure, restart all ranks of this machine,
                        up to R times (default 0)
   --restart WHAT       what a restart restarts: "all" (default: every rank
@@ -93,6 +98,13 @@ RunOptions parse_options(int argc, char** argv) {
       options.job_id = value(arg);
     } else if (arg == "--log-dir") {
       options.log_dir = value(arg);
+    } else if (arg == "--ranks-filter") {
+      std::string list = value(arg);
+      for (size_t start = 0; start <= list.size();) {
+        size_t end = std::min(list.find(',', start), list.size());
+        options.shown_ranks.push_back(parse_int(arg, list.substr(start, end - start), 0));
+        start = end + 1;
+      }
     } else if (arg == "--max-restarts") {
       options.max_restarts = parse_int(arg, value(arg), 0);
     } else if (arg == "--restart") {

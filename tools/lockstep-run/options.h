@@ -16,6 +16,7 @@ struct RunOptions {
   int master_port = 0; // 0: pick a free one (single node only)
   std::string job_id; // empty: LOCKSTEP_JOB_ID as it is
   std::string log_dir; // empty: prefix lines on this terminal
+  std::vector<int> shown_ranks; // --ranks-filter; empty: every rank's lines
   int max_restarts = 0;
   bool restart_rank = false; // --restart rank: only the failed rank restarts
   double grace_seconds = 3.0; // SIGTERM to SIGKILL when stopping ranks

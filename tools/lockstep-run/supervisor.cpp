@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <deque>
 
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -44,7 +45,21 @@ struct Rank {
   bool running = false;
   int status = 0;
   int incarnation = 0; // with --restart rank: restarts of this rank alone
+  bool hidden = false; // left out by --ranks-filter: its last lines are kept instead
+  std::deque<std::string> last_lines;
 };
+
+constexpr size_t kLinesKeptOfHiddenRanks = 20;
+
+// What a hidden rank that failed last said: its failure would mean little
+// without it.
+void show_last_lines(Rank& rank) {
+  for (const auto& line : rank.last_lines) {
+    std::string prefixed = "[" + std::to_string(rank.global) + "] " + line;
+    [[maybe_unused]] auto written = ::write(STDOUT_FILENO, prefixed.data(), prefixed.size());
+  }
+  rank.last_lines.clear();
+}
 
 void say(const std::string& line) {
   std::cerr << "lockstep-run: " << line << std::endl;
@@ -193,6 +208,11 @@ void carry(Rank& rank, const char* data, size_t size, bool flush) {
     }
     if (rank.log >= 0) {
       [[maybe_unused]] auto written = ::write(rank.log, segment.data(), segment.size());
+    } else if (rank.hidden) {
+      rank.last_lines.push_back(segment);
+      if (rank.last_lines.size() > kLinesKeptOfHiddenRanks) {
+        rank.last_lines.pop_front();
+      }
     } else {
       std::string prefixed = "[" + std::to_string(rank.global) + "] " + segment;
       [[maybe_unused]] auto written = ::write(STDOUT_FILENO, prefixed.data(), prefixed.size());
@@ -273,6 +293,9 @@ AttemptResult run_attempt(const RunOptions& options, int attempt, int port,
   std::vector<Rank> ranks(options.nproc_per_node);
   for (int local = 0; local < options.nproc_per_node; ++local) {
     ranks[local].global = options.node_rank * options.nproc_per_node + local;
+    ranks[local].hidden = !options.shown_ranks.empty() &&
+        std::find(options.shown_ranks.begin(), options.shown_ranks.end(),
+                  ranks[local].global) == options.shown_ranks.end();
     spawn(ranks[local], options, local, attempt, port, store.endpoint());
   }
 
@@ -357,6 +380,8 @@ AttemptResult run_attempt(const RunOptions& options, int attempt, int port,
       if (stopping) {
         continue;
       }
+      drain(rank);
+      show_last_lines(rank);
       std::string failure = "rank " + std::to_string(rank.global) + " " +
           describe_exit(rank.status);
       if (options.restart_rank && rank.incarnation > 0 &&
