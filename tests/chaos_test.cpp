@@ -1,5 +1,6 @@
 // The chaos test of lockstep::FaultTolerance: mnist_elastic on 3 ranks for
-// 400 steps under lockstep-run --restart rank, while a driver kills
+// 1000 steps (enough for ten kills, each after every rank trains again)
+// under lockstep-run --restart rank, while a driver kills
 // (SIGKILL) a random rank 10 times at chosen moments (in forward, in the
 // middle of a bucket's reduction, during optimizer.step(), during a
 // checkpoint save, during a recovery), or stops ranks (SIGSTOP, then
@@ -119,17 +120,18 @@ class Chaos {
   }
 };
 
-std::vector<std::string> elastic_job(const ScratchFolder& folder, int restarts) {
+std::vector<std::string> elastic_job(const ScratchFolder& folder, int restarts, int steps) {
   return {LOCKSTEP_RUN_BINARY, "--nproc-per-node", std::to_string(kRanks), "--restart", "rank",
           "--max-restarts", std::to_string(restarts), "--", MNIST_ELASTIC_BINARY, "--data",
-          mnist_dir(), "--steps", "400", "--phase-dir", folder / "phases", "--checkpoint",
+          mnist_dir(), "--steps", std::to_string(steps), "--phase-dir", folder / "phases", "--checkpoint",
           folder / "checkpoint.pt", "--checkpoint-every", "10", "--heartbeat-ms", "1000",
           "--log-every", "100"};
 }
 
-void expect_finished_well(const ProcessExit& result) {
+void expect_finished_well(const ProcessExit& result, int steps) {
   ASSERT_TRUE(result.ok()) << result.status() << "\n" << result.output;
-  EXPECT_EQ(occurrences(result.output, "400 committed steps"), kRanks) << result.output;
+  EXPECT_EQ(occurrences(result.output, std::to_string(steps) + " committed steps"), kRanks)
+      << result.output;
   EXPECT_EQ(occurrences(result.output, "replicas identical"), kRanks) << result.output;
   std::smatch accuracy;
   ASSERT_TRUE(std::regex_search(result.output, accuracy, std::regex("test accuracy ([0-9.]+)%")))
@@ -144,8 +146,8 @@ TEST(Chaos, TenKillsAtChosenMomentsCostOneStepEachAndTheJobFinishes) {
   ScratchFolder folder("chaos");
   unsigned seed = static_cast<unsigned>(std::random_device{}());
   Chaos chaos(folder, seed);
-  Process job(elastic_job(folder, 12), {{"LOCKSTEP_TIMEOUT", "20"}});
-  auto deadline = Clock::now() + std::chrono::seconds(240);
+  Process job(elastic_job(folder, 12, 1000), {{"LOCKSTEP_TIMEOUT", "20"}});
+  auto deadline = Clock::now() + std::chrono::seconds(280);
   // Ten kills: a recovery takes two.
   const std::vector<std::string> moments{"forward", "backward", "step", "checkpoint",
                                          "recovery", "forward", "backward", "step",
@@ -170,7 +172,7 @@ TEST(Chaos, TenKillsAtChosenMomentsCostOneStepEachAndTheJobFinishes) {
     story += "\n  " + line;
   }
   std::cout << story << std::endl;
-  expect_finished_well(result);
+  expect_finished_well(result, 1000);
   // Checkpoints were written beside (mnist_elastic has no way to read one).
   EXPECT_EQ(::access((folder / "checkpoint.pt").c_str(), R_OK), 0);
   EXPECT_EQ(occurrences(result.output, "killed by signal 9"), 10) << story << "\n" << result.output;
@@ -192,7 +194,7 @@ TEST(Chaos, StoppedRanksAreDroppedThenRejoin) {
   ScratchFolder folder("chaos-stop");
   unsigned seed = static_cast<unsigned>(std::random_device{}());
   Chaos chaos(folder, seed);
-  Process job(elastic_job(folder, 0), {{"LOCKSTEP_TIMEOUT", "20"}});
+  Process job(elastic_job(folder, 0, 400), {{"LOCKSTEP_TIMEOUT", "20"}});
   auto deadline = Clock::now() + std::chrono::seconds(240);
   std::vector<std::string> struck;
   for (const char* moment : {"backward", "forward", "step"}) {
@@ -209,7 +211,7 @@ TEST(Chaos, StoppedRanksAreDroppedThenRejoin) {
   for (const auto& line : struck) {
     std::cout << "  " << line << std::endl;
   }
-  expect_finished_well(result);
+  expect_finished_well(result, 400);
   EXPECT_EQ(occurrences(result.output, "restarting it alone"), 0) << result.output;
   EXPECT_GE(occurrences(result.output, "sent no heartbeat for"), 3) << result.output;
   EXPECT_GE(occurrences(result.output, "received the live state"), 3) << result.output;
