@@ -11,6 +11,7 @@
 
 #include <lockstep/lockstep.h>
 
+#include "support/expect_error.h"
 #include "support/multiprocess.h"
 #include "support/optimizers.h"
 #include "support/scratch_folder.h"
@@ -300,8 +301,9 @@ TEST(ZeroGroups, StepTakesAClosureAndReturnsItsLoss) {
   });
 }
 
-// An empty parameter list is an error, as in PyTorch; so are ranks that
-// build their optimizers over other groups (on every rank, not a hang).
+// An empty parameter list is an error, as in PyTorch, and so is a
+// parameter in two groups; so are ranks that build their optimizers over
+// other groups, or add other groups (on every rank, not a hang).
 TEST(ZeroGroups, AnEmptyListOrOtherGroupsOnSomeRankAreErrors) {
   run_ranks(2, [](int rank) {
     World world = init();
@@ -309,6 +311,19 @@ TEST(ZeroGroups, AnEmptyListOrOtherGroupsOnSomeRankAreErrors) {
                                                             sgd_options()),
                  UsageError);
     Mlp model = float64_mlp(3);
+    {
+      ZeroRedundancyOptimizer<torch::optim::SGD> zero(groups_of(Kind::Sgd, model, false), world,
+                                                      sgd_options());
+      expect_error<UsageError>(
+          [&] { zero.add_param_group(OptimizerParamGroup({model->fc1->weight})); },
+          {"appears twice in this ZeroRedundancyOptimizer's groups"});
+      expect_error<UsageError>(
+          [&] {
+            zero.add_param_group(OptimizerParamGroup(
+                rank == 0 ? biases_of(model) : std::vector<torch::Tensor>{model->fc1->bias}));
+          },
+          {"holds other parameters than rank 0's", "add the same groups"});
+    }
     try {
       ZeroRedundancyOptimizer<torch::optim::SGD> zero(groups_of(Kind::Sgd, model, rank == 0),
                                                       world, sgd_options());

@@ -19,10 +19,11 @@ std::string optimizer_bytes(const torch::optim::Optimizer& optimizer);
 void load_optimizer_bytes(torch::optim::Optimizer& optimizer, const std::string& bytes);
 
 /// optimizer.load(archive), then each group's options (learning rate,
-/// weight decay, ...) as saved. LibTorch's load restores the per-parameter
-/// state only (1.13 and 2.6 alike), so a resumed or restarted rank would
-/// otherwise train on at the options it was built with, not those a
-/// scheduler had set. Python's load_state_dict restores both.
+/// weight decay, ...) as saved. LibTorch 1.13's load restores the
+/// per-parameter state only, so a resumed or restarted rank would train on
+/// at the options it was built with, not those a scheduler had set (2.6's
+/// restores them too; doing it again changes nothing). Python's
+/// load_state_dict restores both.
 void load_optimizer(torch::optim::Optimizer& optimizer, torch::serialize::InputArchive& archive);
 
 /// The groups' options as saved in `archive` (by any torch::optim

@@ -34,6 +34,78 @@ std::vector<int64_t> numels_of(const std::vector<at::Tensor>& params) {
   return numels;
 }
 
+// Tensors, groups, and a hash of their sizes: what every rank must agree on.
+std::vector<int64_t> summary_of(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                                const torch::optim::OptimizerParamGroup* adding) {
+  uint64_t hash = 1469598103934665603ull;
+  auto mix = [&hash](uint64_t value) { hash = (hash ^ value) * 1099511628211ull; };
+  int64_t tensors = 0;
+  int64_t count = 0;
+  auto add = [&](const std::vector<at::Tensor>& params) {
+    ++count;
+    mix(params.size());
+    for (const auto& param : params) {
+      ++tensors;
+      mix(static_cast<uint64_t>(param.numel()));
+    }
+  };
+  for (const auto& group : groups) {
+    add(group.params());
+  }
+  if (adding != nullptr) {
+    add(adding->params());
+  }
+  return {tensors, count, static_cast<int64_t>(hash)};
+}
+
+// Collective: every rank must hold the same parameters in the same groups
+// (with `adding`, when given), or the owners disagree and each broadcast
+// pairs different tensors. Raises on every rank.
+void check_same_parameters(World& world,
+                           const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                           const torch::optim::OptimizerParamGroup* adding) {
+  // A fixed-size summary on every rank, so that ranks holding different
+  // counts still exchange the same bytes, and every rank hears of it.
+  auto all = world.all_gather(at::tensor(summary_of(groups, adding), at::kLong));
+  std::vector<int> differ;
+  for (int rank = 1; rank < world.size(); ++rank) {
+    if (!all[rank].equal(all[0])) {
+      differ.push_back(rank);
+    }
+  }
+  if (differ.empty()) {
+    return;
+  }
+  const auto& other = all[differ[0]];
+  LOCKSTEP_FAIL(UsageError, "rank ", world.rank(), ": the ZeroRedundancyOptimizer of ",
+                differ.size() == 1 ? "rank " : "ranks ", rank_list(differ), " holds other "
+                "parameters than rank 0's (rank 0: ", all[0][0].item<int64_t>(), " tensors in ",
+                all[0][1].item<int64_t>(), " groups; rank ", differ[0], ": ",
+                other[0].item<int64_t>(), " in ", other[1].item<int64_t>(), ", or the same "
+                "counts in other sizes): every rank must build it over the same parameters, "
+                "in the same groups and order, and add the same groups.");
+}
+
+// Raises UsageError for a parameter of `params` given twice, or already held
+// (in `held`); the same on every rank, so that no rank skips a collective.
+void refuse_parameters_held(
+    const std::vector<at::Tensor>& params,
+    const std::unordered_map<const c10::TensorImpl*, std::vector<size_t>>& held) {
+  // torch::optim finds a parameter given twice only once it has state, and
+  // this optimizer's state lives in the shard: it would step twice, or come
+  // from two owners.
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto* impl = params[i].unsafeGetTensorImpl();
+    bool again = held.count(impl) > 0;
+    for (size_t j = 0; j < i && !again; ++j) {
+      again = params[j].unsafeGetTensorImpl() == impl;
+    }
+    LOCKSTEP_ENFORCE(!again, UsageError, "a parameter of shape ", params[i].sizes(),
+                     " appears twice in this ZeroRedundancyOptimizer's groups: give each "
+                     "parameter to one group, once.");
+  }
+}
+
 } // namespace
 
 ShardedOptimizer::ShardedOptimizer(std::vector<torch::optim::OptimizerParamGroup> groups,
@@ -45,17 +117,22 @@ ShardedOptimizer::ShardedOptimizer(std::vector<torch::optim::OptimizerParamGroup
       make_(std::move(make)),
       options_(options),
       owned_(world_.size(), 0) {
+  // First, while no rank has had a reason to raise alone: every rank must
+  // hold the same parameters, or the others would wait for it.
+  check_same_parameters_as_rank_zero();
+  LOCKSTEP_ENFORCE(summary_of(param_groups(), nullptr)[0] > 0, UsageError, "ZeroRedundancyOptimizer got an "
+                   "empty parameter list: give it the parameters it shards (for example "
+                   "model->parameters()).");
   for (size_t g = 0; g < param_groups().size(); ++g) {
+    refuse_parameters_held(param_groups()[g].params(), pieces_of_);
     take_group(g);
   }
-  LOCKSTEP_ENFORCE(!all_.empty(), UsageError, "ZeroRedundancyOptimizer got an empty parameter "
-                   "list: give it the parameters it shards (for example "
-                   "model->parameters()).");
   local_ = make_(groups_of(shard_, mine_pieces()));
-  check_same_parameters_as_rank_zero();
 }
 
 void ShardedOptimizer::add_param_group(const torch::optim::OptimizerParamGroup& group) {
+  check_same_parameters(world_, param_groups(), &group);
+  refuse_parameters_held(group.params(), pieces_of_);
   Optimizer::add_param_group(group);
   size_t g = param_groups().size() - 1;
   size_t first_mine = shard_.size();
@@ -64,7 +141,6 @@ void ShardedOptimizer::add_param_group(const torch::optim::OptimizerParamGroup& 
                                 shard_.end());
   local_->add_param_group(
       torch::optim::OptimizerParamGroup(std::move(added), param_groups()[g].options().clone()));
-  check_same_parameters_as_rank_zero();
 }
 
 void ShardedOptimizer::take_group(size_t g) {
@@ -95,35 +171,7 @@ void ShardedOptimizer::take_group(size_t g) {
 }
 
 void ShardedOptimizer::check_same_parameters_as_rank_zero() {
-  // A fixed-size summary on every rank, so that ranks holding different
-  // counts still exchange the same bytes, and every rank hears of it.
-  uint64_t hash = 1469598103934665603ull;
-  auto mix = [&hash](uint64_t value) { hash = (hash ^ value) * 1099511628211ull; };
-  for (const auto& group : param_groups()) {
-    mix(group.params().size());
-    for (const auto& param : group.params()) {
-      mix(static_cast<uint64_t>(param.numel()));
-    }
-  }
-  auto mine = at::tensor({static_cast<int64_t>(all_.size()),
-                          static_cast<int64_t>(param_groups().size()),
-                          static_cast<int64_t>(hash)}, at::kLong);
-  auto all = world_.all_gather(mine);
-  std::vector<int> differ;
-  for (int rank = 1; rank < world_.size(); ++rank) {
-    if (!all[rank].equal(all[0])) {
-      differ.push_back(rank);
-    }
-  }
-  LOCKSTEP_ENFORCE(differ.empty(), UsageError, "rank ", world_.rank(), ": the "
-                   "ZeroRedundancyOptimizer of ", differ.size() == 1 ? "rank " : "ranks ",
-                   rank_list(differ), " holds other parameters than rank 0's (rank 0: ",
-                   all[0][0].item<int64_t>(), " tensors in ", all[0][1].item<int64_t>(),
-                   " groups; rank ", differ.empty() ? 0 : differ[0], ": ",
-                   all[differ.empty() ? 0 : differ[0]][0].item<int64_t>(), " in ",
-                   all[differ.empty() ? 0 : differ[0]][1].item<int64_t>(), ", or the same "
-                   "counts in other sizes): every rank must build it over the same "
-                   "parameters, in the same groups and order.");
+  check_same_parameters(world_, param_groups(), nullptr);
 }
 
 std::vector<ZeroPiece> ShardedOptimizer::mine_pieces() const {
@@ -135,9 +183,12 @@ std::vector<ZeroPiece> ShardedOptimizer::mine_pieces() const {
 }
 
 std::vector<ZeroPiece> ShardedOptimizer::whole_pieces() const {
-  std::vector<ZeroPiece> whole(all_.size());
-  for (const auto& piece : pieces_) {
-    whole[piece.param] = {piece.param, 0, all_[piece.param].numel(), 0, piece.group};
+  // From the groups, not the pieces: a parameter of no elements has none.
+  std::vector<ZeroPiece> whole;
+  for (size_t g = 0; g < param_groups().size(); ++g) {
+    for (const auto& param : param_groups()[g].params()) {
+      whole.push_back({whole.size(), 0, param.numel(), 0, g});
+    }
   }
   return whole;
 }

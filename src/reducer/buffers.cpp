@@ -82,11 +82,12 @@ void Reducer::State::check_replicas(ReplicaCheck what) {
   }
   std::string hint;
   if (std::exchange(adopted_unchecked, false)) {
-    hint = " The world re-formed since the last check (a rank rejoined, with the live state "
-           "of a survivor): what that transfer does not carry is the likely cause. It carries "
-           "the model, the optimizer (its state and each group's options) and the states "
-           "registered with FaultTolerance::register_state; anything else the program keeps "
-           "and steps by (a scheduler's counter, its own variables) must be registered.";
+    hint = " The world re-formed since the last check (a rank failed, or one rejoined with "
+           "the live state of a survivor): if one rejoined, what that transfer does not carry "
+           "is the likely cause. It carries the model, the optimizer (its state and each "
+           "group's options) and the states registered with FaultTolerance::register_state; "
+           "anything else the program keeps and steps by (a scheduler's counter, its own "
+           "variables) must be registered.";
   }
   check_replicas_agree(world, state, hint);
 }

@@ -34,7 +34,7 @@ void Reducer::step_in_backward(ParameterStep step, const StepInBackwardOptions& 
   LOCKSTEP_ENFORCE(!options.max_grad_norm() || *options.max_grad_norm() > 0, UsageError,
                    "StepInBackwardOptions::max_grad_norm must be positive, not ",
                    *options.max_grad_norm(), ".");
-  state.in_backward_step = State::InBackwardStep{std::move(step), options, {}, {}};
+  state.in_backward_step = State::InBackwardStep{std::move(step), options, {}, {}, {}};
 }
 
 void Reducer::step_in_backward(torch::optim::Optimizer& optimizer,
@@ -53,16 +53,25 @@ void Reducer::step_in_backward(torch::optim::Optimizer& optimizer,
           "never step. Give that tensor an optimizer of its own.");
     }
   }
+  std::unordered_set<const c10::TensorImpl*> held;
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& param : group.params()) {
+      held.insert(param.unsafeGetTensorImpl());
+    }
+  }
   if (auto* sharded = dynamic_cast<ShardedOptimizer*>(&optimizer)) {
     sharded->steps_in_backward();
     step_in_backward([sharded](const std::vector<at::Tensor>& params) {
       sharded->step_parameters(params);
     }, options);
-    return;
+  } else {
+    step_in_backward([&optimizer](const std::vector<at::Tensor>& params) {
+      lockstep::step_parameters(optimizer, params);
+    }, options);
   }
-  step_in_backward([&optimizer](const std::vector<at::Tensor>& params) {
-    lockstep::step_parameters(optimizer, params);
-  }, options);
+  // A parameter that another optimizer steps keeps its gradient.
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  state_->in_backward_step->freed = std::move(held);
 }
 
 bool Reducer::State::steps_each_bucket() const {
@@ -102,7 +111,9 @@ void Reducer::State::step_parameters_of(const std::vector<size_t>& indices) {
     // and changes nothing (at the end of a loop no next forward would tell
     // of it), and the memory is free until the next backward.
     for (auto& param : chosen) {
-      param.mutable_grad().reset();
+      if (stepping.freed.empty() || stepping.freed.count(param.unsafeGetTensorImpl()) > 0) {
+        param.mutable_grad().reset();
+      }
     }
   }
 }

@@ -9,6 +9,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include <lockstep/comm_hook.h>
@@ -135,6 +136,9 @@ struct Reducer::State : std::enable_shared_from_this<State> {
     StepInBackwardOptions options;
     std::vector<char> stepped;     // per parameter, in this iteration
     std::vector<int64_t> versions; // per parameter, after the last step
+    // The parameters whose gradients go once stepped: the optimizer's
+    // (empty: every parameter handed to a ParameterStep).
+    std::unordered_set<const c10::TensorImpl*> freed;
   };
   std::optional<InBackwardStep> in_backward_step;
 

@@ -128,6 +128,12 @@ RunOptions parse_options(int argc, char** argv) {
   if (options.master_port > 65535) {
     throw UsageError("--master-port must be a TCP port (1 to 65535)");
   }
+  for (int rank : options.shown_ranks) {
+    if (rank >= options.nnodes * options.nproc_per_node) {
+      throw UsageError("--ranks-filter names rank " + std::to_string(rank) + ", but the job has " +
+                       std::to_string(options.nnodes * options.nproc_per_node) + " ranks");
+    }
+  }
   if (options.node_rank >= options.nnodes) {
     throw UsageError("--node-rank " + std::to_string(options.node_rank) +
                      " is out of range for --nnodes " +

@@ -377,11 +377,17 @@ AttemptResult run_attempt(const RunOptions& options, int attempt, int port,
         }
         continue;
       }
+      bool stopped_by_us = stopping && WIFSIGNALED(rank.status) &&
+          (WTERMSIG(rank.status) == SIGTERM || WTERMSIG(rank.status) == SIGKILL);
+      if (rank.hidden && !stopped_by_us && result.outcome != Outcome::Interrupted &&
+          !(options.restart_rank && rank.incarnation > 0 &&
+            store.left(attempt, rank.global, rank.incarnation))) {
+        drain(rank); // what it said last, shown with its failure
+        show_last_lines(rank);
+      }
       if (stopping) {
         continue;
       }
-      drain(rank);
-      show_last_lines(rank);
       std::string failure = "rank " + std::to_string(rank.global) + " " +
           describe_exit(rank.status);
       if (options.restart_rank && rank.incarnation > 0 &&
