@@ -13,6 +13,7 @@
 #include "support/expect_error.h"
 #include "support/models.h"
 #include "support/multiprocess.h"
+#include "support/optimizers.h"
 #include "support/scratch_folder.h"
 #include "support/training.h"
 
@@ -133,6 +134,41 @@ TEST(Gpu, HooksCompressOnTheDevice) {
       auto gradients = flatten(grads);
       EXPECT_TRUE(torch::isfinite(gradients).all().item<bool>()) << name;
       expect_same_on_every_rank(world, gradients, name);
+    }
+  });
+}
+
+// ZeRO's broadcasts and the step inside backward move device tensors:
+// each way must step the parameters exactly as plain DDP and Adam do on
+// the same GPU (the same arithmetic in the same order: bit for bit).
+TEST(Gpu, ZeroAndTheStepInBackwardMatchPlainDdpBitForBit) {
+  SKIP_WITHOUT_A_GPU();
+  run_ranks(gpu_ranks(), [](int rank) {
+    World world = init();
+    auto device = gpu_of(world);
+    auto train = [&](std::optional<Way> way) {
+      Mlp model = float64_mlp(11);
+      model->to(device);
+      DDP<Mlp> ddp(model, world, one_parameter_per_bucket());
+      auto optimizer = way ? optimizer_of(*way, Kind::Adam, ddp, world)
+                           : plain_optimizer(Kind::Adam, model->parameters());
+      for (int step = 0; step < 4; ++step) {
+        auto [x, y] = batch(step, world.size());
+        optimizer->zero_grad();
+        torch::mse_loss(ddp(shard(x, rank, kPerRank).to(device)),
+                        shard(y, rank, kPerRank).to(device))
+            .backward();
+        if (!way || *way == Way::Zero) {
+          optimizer->step();
+        }
+      }
+      return model;
+    };
+    Mlp expected = train(std::nullopt);
+    for (auto way : {Way::InBackward, Way::Zero, Way::ZeroInBackward}) {
+      Mlp actual = train(way);
+      expect_bit_identical(*actual, *expected, name_of(way));
+      expect_same_on_every_rank(world, flatten(actual->parameters()), name_of(way));
     }
   });
 }
