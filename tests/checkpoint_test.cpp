@@ -20,24 +20,12 @@
 #include "support/models.h"
 #include "support/multiprocess.h"
 #include "support/scratch_folder.h"
+#include "support/shared_folder.h"
 #include "support/training.h"
 
 namespace lockstep::testing {
 namespace {
 
-// A folder that every rank of a launch names alike.
-std::string shared_folder() {
-  return std::getenv("LOCKSTEP_TEST_FOLDER");
-}
-
-LaunchOptions with_shared_folder(int world_size, const std::string& folder) {
-  LaunchOptions options;
-  options.world_size = world_size;
-  options.environment = [folder](int, RankEnvironment& env) {
-    env["LOCKSTEP_TEST_FOLDER"] = folder;
-  };
-  return options;
-}
 
 void train_step(DDP<Mlp>& ddp, torch::optim::Optimizer& optimizer, int step, int rank, int n) {
   auto [x, y] = global_batch(step, 4 * n, {20});

@@ -204,14 +204,9 @@ TEST(Gpu, CheckReplicasReadsTheDeviceTensors) {
 TEST(Gpu, ACheckpointGoesFromTheGpuToTheCpuAndBack) {
   SKIP_WITHOUT_A_GPU();
   ScratchFolder folder("gpu-checkpoint");
-  LaunchOptions options;
-  options.world_size = 1;
-  options.environment = [&](int, RankEnvironment& env) {
-    env["LOCKSTEP_TEST_FOLDER"] = folder.path();
-  };
-  auto result = launch_ranks(options, [](int) {
+  auto result = launch_ranks(with_shared_folder(1, folder.path()), [](int) {
     World world = init();
-    std::string dir = std::getenv("LOCKSTEP_TEST_FOLDER");
+    std::string dir = shared_folder();
     auto train = [&](Mlp& model, torch::optim::SGD& optimizer, torch::Device device) {
       auto [x, y] = global_batch(0, 4, {20});
       optimizer.zero_grad();

@@ -129,11 +129,9 @@ void train_with_groups(World& world, Kind kind, Way way, ZeroPartition partition
     for (auto& scheduler : schedulers) {
       scheduler->step();
     }
-    std::string context = std::string(name_of(way)) + ", " + name_of(kind) + ", after step " +
-                          std::to_string(step);
-    expect_bit_identical(*model, *plain, context);
-    expect_close_parameters(*model, *reference, kFloat64Tolerance, context);
-    expect_same_on_every_rank(world, flatten(model->parameters()), "parameters " + context);
+    expect_as_plain_ddp_and_one_process(world, *model, *plain, *reference,
+                                        std::string(name_of(way)) + ", " + name_of(kind) +
+                                            ", after step " + std::to_string(step));
   }
   ASSERT_EQ(zero->param_groups().size(), 2u);
   for (size_t g = 0; g < 2; ++g) {
@@ -194,16 +192,7 @@ TEST(ZeroPartitionOfGroups, CarriesTheLoadFromGroupToGroup) {
 // another learning rate; all continue bit-identically to the plain one.
 TEST(ZeroGroups, CheckpointsBringBackEachGroupsOptions) {
   ScratchFolder folder("zero-groups");
-  auto with_folder = [&](int size) {
-    LaunchOptions launch;
-    launch.world_size = size;
-    launch.timeout = std::chrono::seconds(120);
-    launch.environment = [folder = folder.path()](int, RankEnvironment& env) {
-      env["LOCKSTEP_TEST_FOLDER"] = folder;
-    };
-    return launch;
-  };
-  auto write = launch_ranks(with_folder(2), [](int rank) {
+  auto write = launch_ranks(with_shared_folder(2, folder.path()), [](int rank) {
     World world = init();
     DDP<Mlp> plain(float64_mlp(3), world);
     DDP<Mlp> consolidated(float64_mlp(3), world);
@@ -228,7 +217,7 @@ TEST(ZeroGroups, CheckpointsBringBackEachGroupsOptions) {
     save_checkpoint(world, shared_folder() + "/shards", *sharded.module(), *shards);
   });
   ASSERT_TRUE(write.ok()) << write.report();
-  auto read = launch_ranks(with_folder(3), [](int rank) {
+  auto read = launch_ranks(with_shared_folder(3, folder.path()), [](int rank) {
     World world = init();
     auto built_with_lr_one = [](Kind kind, Mlp& model) {
       auto groups = groups_of(kind, model, true);

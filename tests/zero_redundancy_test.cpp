@@ -19,16 +19,7 @@ namespace {
 // resumed from its own checkpoint of the same run.
 TEST(ZeroCheckpoint, ResumesAtAnotherWorldSize) {
   ScratchFolder folder("zero-resize");
-  auto with_folder = [&](int size) {
-    LaunchOptions launch;
-    launch.world_size = size;
-    launch.timeout = std::chrono::seconds(120);
-    launch.environment = [folder = folder.path()](int, RankEnvironment& env) {
-      env["LOCKSTEP_TEST_FOLDER"] = folder;
-    };
-    return launch;
-  };
-  auto write = launch_ranks(with_folder(4), [](int rank) {
+  auto write = launch_ranks(with_shared_folder(4, folder.path()), [](int rank) {
     World world = init();
     DDP<Mlp> plain(float64_mlp(3), world);
     DDP<Mlp> sharded(float64_mlp(3), world);
@@ -51,7 +42,7 @@ TEST(ZeroCheckpoint, ResumesAtAnotherWorldSize) {
     save_checkpoint(world, shared_folder() + "/slices", *sliced.module(), *slices);
   });
   ASSERT_TRUE(write.ok()) << write.report();
-  auto read = launch_ranks(with_folder(2), [](int rank) {
+  auto read = launch_ranks(with_shared_folder(2, folder.path()), [](int rank) {
     World world = init();
     auto resume = [&](const std::string& file, Way way, bool zero,
                       ZeroPartition partition = ZeroPartition::Parameters) {
@@ -129,12 +120,7 @@ TEST(ZeroState, EachRankHoldsItsShardAlone) {
 // both then train as plain DDP with a module that was never loaded.
 TEST(ZeroElements, TrainOnAfterTheModuleIsLoaded) {
   ScratchFolder folder("zero-load");
-  LaunchOptions launch;
-  launch.world_size = 2;
-  launch.environment = [folder = folder.path()](int, RankEnvironment& env) {
-    env["LOCKSTEP_TEST_FOLDER"] = folder;
-  };
-  auto result = launch_ranks(launch, [](int rank) {
+  auto result = launch_ranks(with_shared_folder(2, folder.path()), [](int rank) {
     World world = init();
     DDP<Mlp> plain(float64_mlp(3), world);
     DDP<Mlp> sliced(float64_mlp(3), world);

@@ -10,10 +10,24 @@
 #include <iostream>
 #include <sstream>
 
+#include <ATen/Context.h>
 #include <gtest/gtest.h>
 
 namespace lockstep::testing {
 namespace {
+
+// Every test process (ranks and references alike) convolves with ATen's
+// own kernels, not oneDNN's. The AVX-512 convolutions of oneDNN in
+// LibTorch 2.6 read memory they did not write: where the allocator hands
+// back memory that held NaNs, a plain PyTorch 2.6 script of the tests' CNN
+// gives NaN parameters in 126 of 200 runs (none with
+// ONEDNN_MAX_CPU_ISA=AVX2 or oneDNN off; docs/troubleshooting.md). The
+// tests compare lockstep with one process, and must not depend on what
+// memory the allocator happens to reuse.
+const bool kOneDnnConvolutionsOff = [] {
+  at::globalContext().setUserEnabledMkldnn(false);
+  return true;
+}();
 
 using Clock = std::chrono::steady_clock;
 

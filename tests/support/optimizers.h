@@ -16,6 +16,7 @@
 #include <lockstep/lockstep.h>
 
 #include "support/models.h"
+#include "support/shared_folder.h"
 #include "support/training.h"
 
 namespace lockstep::testing {
@@ -126,9 +127,17 @@ inline void expect_bit_identical(torch::nn::Module& actual, torch::nn::Module& e
       << (flatten(actual.parameters()) - flatten(expected.parameters())).abs().max().item<double>();
 }
 
-// A folder that every rank of a launch names alike (LOCKSTEP_TEST_FOLDER).
-inline std::string shared_folder() {
-  return std::getenv("LOCKSTEP_TEST_FOLDER");
+
+/// After a step: `model` (the way under test) is bit for bit `plain` (plain
+/// DDP and a plain optimizer), within float64 rounding of `reference` (one
+/// process on the whole batch), and the same on every rank.
+inline void expect_as_plain_ddp_and_one_process(World& world, torch::nn::Module& model,
+                                                torch::nn::Module& plain,
+                                                torch::nn::Module& reference,
+                                                const std::string& context) {
+  expect_bit_identical(model, plain, context);
+  expect_close_parameters(model, reference, kFloat64Tolerance, context);
+  expect_same_on_every_rank(world, flatten(model.parameters()), "parameters " + context);
 }
 
 // Steps `from` to `to` on this rank's shard; `steps_itself`: the loop calls
