@@ -1,10 +1,12 @@
-// lockstep::DistributedSampler: PyTorch's DistributedSampler index for
-// index, and an epoch that reaches the copy make_data_loader holds.
+// What feeds each rank its data: lockstep::DistributedSampler (PyTorch's
+// DistributedSampler index for index, and an epoch that reaches the copy
+// make_data_loader holds), and the StepLoader of a fault-tolerant loop.
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <lockstep/distributed_sampler.h>
+#include <lockstep/step_loader.h>
 
 namespace lockstep {
 namespace {
@@ -65,6 +67,54 @@ TEST(DistributedSampler, SetEpochReachesTheLoadersCopy) {
   }
   EXPECT_NE(passes[0], passes[1]);
   EXPECT_NE(passes[1], passes[2]);
+}
+
+// Each rank of any world gets its share of the step's global batch: the
+// shares of one step, put together, are the StepSampler's batch for that
+// step, whatever the world's size, and asking again gives the same batch
+// (a dropped step is retried with it).
+TEST(StepLoader, GivesEachRankItsShareOfTheStepsBatch) {
+  auto dataset = torch::data::datasets::TensorDataset(torch::arange(50).view({50, 1}))
+                     .map(torch::data::transforms::Stack<torch::data::TensorExample>());
+  auto options = StepSamplerOptions().global_batch_size(12).seed(7);
+  StepLoader loader(std::move(dataset), options);
+  StepSampler sampler(50, options);
+  EXPECT_EQ(loader.sampler().steps_per_epoch(), 4);
+  EXPECT_EQ(loader.epoch_of(3), 0);
+  EXPECT_EQ(loader.epoch_of(4), 1);
+  for (int size : {1, 2, 3, 5}) {
+    for (int64_t step : {0, 3, 4, 9}) {
+      std::vector<int64_t> together;
+      for (int rank = 0; rank < size; ++rank) {
+        auto batch = loader.batch(step, rank, size).data.view(-1);
+        EXPECT_TRUE(batch.equal(loader.batch(step, rank, size).data.view(-1)));
+        auto expected = sampler.indices(step, rank, size);
+        EXPECT_TRUE(batch.equal(torch::tensor(expected, torch::kLong)))
+            << "step " << step << ", rank " << rank << " of " << size;
+        together.insert(together.end(), expected.begin(), expected.end());
+      }
+      EXPECT_EQ(together.size(), 12u);
+    }
+  }
+}
+
+TEST(StepLoader, ADatasetOfUnknownSizeIsRefused) {
+  struct Endless : torch::data::datasets::Dataset<Endless, torch::data::TensorExample> {
+    torch::data::TensorExample get(size_t index) override {
+      return torch::data::TensorExample(torch::tensor(static_cast<int64_t>(index)));
+    }
+    torch::optional<size_t> size() const override {
+      return torch::nullopt;
+    }
+  };
+  try {
+    StepLoader<Endless> loader(Endless{});
+    FAIL() << "a dataset of unknown size was taken";
+  } catch (const c10::Error& error) {
+    EXPECT_NE(std::string(error.what()).find("StepLoader needs a dataset of known size"),
+              std::string::npos)
+        << error.what();
+  }
 }
 
 } // namespace

@@ -4,6 +4,7 @@
 #include <dirent.h>
 
 #include <cstdlib>
+#include <sstream>
 #include <thread>
 
 #include <ATen/ATen.h>
@@ -150,6 +151,22 @@ TEST(World, GathersStringsRoundAfterRound) {
                       std::to_string(round));
       }
     }
+  });
+}
+
+// Rank 0's text reaches the stream; the others' is discarded, though each
+// rank evaluates what it prints (here a collective, which would hang if
+// only rank 0 ran it).
+TEST(World, OnRankZeroPrintsOnceAJob) {
+  run_ranks(3, [](int rank) {
+    World world = init();
+    std::ostringstream out;
+    for (int line = 0; line < 2; ++line) {
+      on_rank_zero(world, out) << "line " << line << " of rank " << rank << ", ranks "
+                               << world.all_gather_strings("x").size() << std::endl;
+    }
+    EXPECT_EQ(out.str(), rank == 0 ? "line 0 of rank 0, ranks 3\nline 1 of rank 0, ranks 3\n" : "");
+    EXPECT_TRUE(on_rank_zero(world, out).good() == (rank == 0));
   });
 }
 

@@ -4,8 +4,8 @@
 //   lockstep-run --nproc-per-node 3 --restart rank --max-restarts 10 --
 //       mnist_elastic --data data/mnist --steps 400
 //
-// Each step trains on global batch `step` of lockstep::StepSampler, shared
-// among the ranks that take part, so a world that shrinks or grows still
+// Each step trains on global batch `step` of lockstep::StepSampler (through
+// a lockstep::StepLoader), shared among the ranks that take part, so a world that shrinks or grows still
 // sees every sample once per epoch. Kill a rank (kill -9): the others drop
 // that step and go on; lockstep-run restarts it, and it rejoins with the
 // live state. --phase-dir lets a test see what each rank is doing (and kill
@@ -146,10 +146,10 @@ int main(int argc, char** argv) {
           .heartbeat_timeout(std::chrono::milliseconds(flags.heartbeat_ms))
           .seed(flags.seed));
 
-  torch::data::datasets::MNIST train(flags.data, torch::data::datasets::MNIST::Mode::kTrain);
-  auto images = (train.images() - 0.1307) / 0.3081;
-  auto labels = train.targets();
-  lockstep::StepSampler sampler(images.size(0), lockstep::StepSamplerOptions()
+  auto train = torch::data::datasets::MNIST(flags.data, torch::data::datasets::MNIST::Mode::kTrain)
+                   .map(torch::data::transforms::Normalize<>(0.1307, 0.3081))
+                   .map(torch::data::transforms::Stack<>());
+  lockstep::StepLoader loader(std::move(train), lockstep::StepSamplerOptions()
                                                     .global_batch_size(flags.global_batch)
                                                     .seed(flags.seed));
 
@@ -159,11 +159,10 @@ int main(int argc, char** argv) {
     ft.begin_step();
     bool reformed = ft.stats().worlds_formed != formed;
     formed = ft.stats().worlds_formed;
-    auto index = torch::tensor(sampler.indices(ft.step(), ft.world().rank(), ft.world().size()),
-                               torch::kLong);
+    auto batch = loader.batch(ft); // this rank's share of the step's batch, in this world
     optimizer.zero_grad();
     phase("forward", ft.step());
-    auto loss = torch::nll_loss(ddp(images.index_select(0, index)), labels.index_select(0, index));
+    auto loss = torch::nll_loss(ddp(batch.data), batch.target);
     phase("backward", ft.step());
     loss.backward();
     phase("commit", ft.step());

@@ -13,7 +13,9 @@
 #include <lockstep/fault_tolerance.h>
 #include <lockstep/join.h>
 #include <lockstep/power_sgd.h>
+#include <lockstep/rank_zero.h>
 #include <lockstep/step_in_backward.h>
+#include <lockstep/step_loader.h>
 #include <lockstep/step_sampler.h>
 #include <lockstep/sync_batch_norm.h>
 #include <lockstep/timeline.h>
