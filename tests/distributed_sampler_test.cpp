@@ -110,7 +110,7 @@ TEST(StepLoader, ADatasetOfUnknownSizeIsRefused) {
   try {
     StepLoader<Endless> loader(Endless{});
     FAIL() << "a dataset of unknown size was taken";
-  } catch (const c10::Error& error) {
+  } catch (const ConfigError& error) {
     EXPECT_NE(std::string(error.what()).find("StepLoader needs a dataset of known size"),
               std::string::npos)
         << error.what();

@@ -17,12 +17,13 @@
 // A step that is dropped is retried with the same batch; a world that
 // shrinks or grows divides the same global batch among its ranks.
 
+#include <cstddef>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
-#include <c10/util/Exception.h>
-
+#include <lockstep/error.h>
 #include <lockstep/fault_tolerance.h>
 #include <lockstep/step_sampler.h>
 
@@ -32,6 +33,11 @@ namespace lockstep {
 /// dataset mapped through `transforms::Stack<>` gives one tensor batch).
 template <typename Dataset>
 class StepLoader {
+  static_assert(
+      std::is_constructible_v<typename Dataset::BatchRequestType, std::vector<size_t>>,
+      "StepLoader needs a dataset whose get_batch takes a list of indices "
+      "(a stateful dataset chooses its own samples)");
+
  public:
   using BatchType = typename Dataset::BatchType;
 
@@ -52,6 +58,8 @@ class StepLoader {
   int64_t epoch_of(int64_t step) const {
     return step / sampler_.steps_per_epoch();
   }
+  /// Not to be called from another thread while the loop takes batches
+  /// (the sampler keeps the current epoch's order).
   const StepSampler& sampler() const {
     return sampler_;
   }
@@ -62,8 +70,9 @@ class StepLoader {
  private:
   static int64_t size_of(const Dataset& dataset) {
     auto size = dataset.size();
-    TORCH_CHECK(size.has_value(), "StepLoader needs a dataset of known size: a StepSampler "
-                "draws each epoch's order from the number of samples");
+    LOCKSTEP_ENFORCE(size.has_value(), ConfigError,
+                     "StepLoader needs a dataset of known size: a StepSampler draws each "
+                     "epoch's order from the number of samples");
     return static_cast<int64_t>(*size);
   }
 

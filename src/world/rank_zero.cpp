@@ -3,8 +3,8 @@
 namespace lockstep {
 namespace {
 
-// A stream without a buffer sets badbit at the first write and then
-// ignores every write: nothing is formatted twice, nothing is kept. Each
+// A stream without a buffer is bad from its construction and ignores
+// every write: nothing is formatted, nothing is kept. Each
 // thread has its own, so that a thread's failed state stays its own.
 std::ostream& discarding_stream() {
   thread_local std::ostream discard(nullptr);

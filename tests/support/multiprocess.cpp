@@ -23,7 +23,9 @@ namespace {
 // gives NaN parameters in 126 of 200 runs (none with
 // ONEDNN_MAX_CPU_ISA=AVX2 or oneDNN off; docs/troubleshooting.md). The
 // tests compare lockstep with one process, and must not depend on what
-// memory the allocator happens to reuse.
+// memory the allocator happens to reuse. (Linked into every test binary
+// that launches ranks, through run_ranks; ctest also sets
+// ONEDNN_MAX_CPU_ISA=AVX2 for the examples it runs.)
 const bool kOneDnnConvolutionsOff = [] {
   at::globalContext().setUserEnabledMkldnn(false);
   return true;

@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <stdexcept>
 #include <string>
 
 #include "support/multiprocess.h"
@@ -27,7 +28,11 @@ inline LaunchOptions with_shared_folder(
 /// In a rank of such a launch: the folder's path.
 inline std::string shared_folder() {
   const char* folder = std::getenv("LOCKSTEP_TEST_FOLDER");
-  return folder == nullptr ? "" : folder;
+  if (folder == nullptr || *folder == '\0') {
+    throw std::logic_error("shared_folder() outside a launch of with_shared_folder: "
+                           "LOCKSTEP_TEST_FOLDER is not set");
+  }
+  return folder;
 }
 
 } // namespace lockstep::testing
