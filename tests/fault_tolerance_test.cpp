@@ -5,6 +5,7 @@
 
 #include <signal.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <regex>
@@ -67,6 +68,7 @@ Process elastic_rank(int rank, int size, int port, const std::vector<std::string
 // another order of summation.
 struct Reference {
   std::vector<double> sums; // after step s + 1
+  std::vector<double> squared_errors; // over step s's batch, before it
   torch::Tensor parameters;
 };
 
@@ -84,8 +86,9 @@ Reference reference(int64_t steps) {
   for (int64_t step = 0; step < steps; ++step) {
     auto index = torch::tensor(sampler.indices(step, 0, 1), torch::kLong);
     optimizer.zero_grad();
-    torch::mse_loss(model(inputs.index_select(0, index)), targets.index_select(0, index))
-        .backward();
+    auto error = model(inputs.index_select(0, index)) - targets.index_select(0, index);
+    error.pow(2).mean().backward();
+    result.squared_errors.push_back(error.detach().pow(2).sum().item<double>());
     optimizer.step();
     scheduler.step();
     double sum = 0;
@@ -110,13 +113,20 @@ void expect_committed_steps_match(const ScratchFolder& out, int ranks, const Ref
     int64_t step = 0;
     int size = 0;
     double sum = 0;
+    double squared_error = 0;
+    double samples = 0;
     int lines = 0;
-    while (log >> step >> size >> sum) {
+    while (log >> step >> size >> sum >> squared_error >> samples) {
       ++lines;
       ASSERT_GE(step, 1);
       ASSERT_LE(step, static_cast<int64_t>(ref.sums.size()));
       EXPECT_NEAR(sum, ref.sums[step - 1], kSumTolerance)
           << "rank " << rank << " after step " << step << " in a world of " << size;
+      // ft.commit(sums): each committed step's figures cover its global
+      // batch once, whichever ranks trained it.
+      EXPECT_EQ(samples, 12) << "rank " << rank << " at step " << step;
+      EXPECT_NEAR(squared_error, ref.squared_errors[step - 1], kSumTolerance)
+          << "rank " << rank << " at step " << step << " in a world of " << size;
     }
     EXPECT_GT(lines, 0) << "rank " << rank << " committed no step";
   }
@@ -167,6 +177,17 @@ TEST_P(FaultToleranceKills, EachFailureCostsOneStepAndTheRunEqualsTheCommittedSt
   EXPECT_EQ(occurrences(result.output, "restarting it alone"), plan.killed) << result.output;
   EXPECT_EQ(occurrences(result.output, "received the live state"), plan.killed) << result.output;
   EXPECT_EQ(occurrences(result.output, "the job is ending"), 0) << result.output;
+  // The live state brings the optimizer's group options: a restarted rank
+  // receives the sender's decayed rate (StepLR halves it every 50 steps).
+  std::regex received("received lr ([0-9.e+-]+) after ([0-9]+) scheduled steps");
+  int receipts = 0;
+  for (std::sregex_iterator it(result.output.begin(), result.output.end(), received), end;
+       it != end; ++it, ++receipts) {
+    int64_t scheduled = std::stoll((*it)[2]);
+    EXPECT_EQ(std::stod((*it)[1]), 0.1 * std::pow(0.5, static_cast<double>(scheduled / 50)))
+        << "after " << scheduled << " steps";
+  }
+  EXPECT_EQ(receipts, plan.killed) << result.output;
   // Replicas checked bit for bit at the end, on every rank.
   EXPECT_EQ(occurrences(result.output, ": " + std::to_string(kSteps) + " steps"), plan.ranks)
       << result.output;
@@ -554,6 +575,15 @@ TEST(FaultToleranceErrors, MisuseIsAUsageError) {
   EXPECT_TRUE(ft.commit());
   EXPECT_EQ(ft.step(), 1);
   EXPECT_EQ(ft.world().size(), 1);
+  ft.begin_step();
+  ddp(torch::randn({4, 20})).sum().backward();
+  expect_error<UsageError>([&] { ft.commit(torch::Tensor()); }, {"commit(sums) sums a CPU tensor"});
+  auto figures = torch::tensor({2.5, 4.0}, torch::kDouble);
+  auto sums = ft.commit(figures);
+  ASSERT_TRUE(sums.has_value());
+  EXPECT_TRUE(torch::equal(*sums, figures));
+  EXPECT_FALSE(sums->is_same(figures)) << "the caller's tensor is left as it was";
+  EXPECT_EQ(ft.step(), 2);
 
   Mlp other;
   DDP<Mlp> stepping(other, world);

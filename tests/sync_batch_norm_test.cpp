@@ -2,7 +2,10 @@
 // outputs, input gradients, the summed weight and bias gradients and the
 // running statistics, at world sizes 1-4, with equal and unequal (one
 // empty) per-rank batches, 2-, 4- and 5-dimensional inputs. Then inside
-// DistributedDataParallel, and convert_sync_batchnorm.
+// DistributedDataParallel (converted, or declared without a world), alone
+// (a BatchNorm), and convert_sync_batchnorm.
+
+#include <functional>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
@@ -222,47 +225,116 @@ class SyncBatchNormInDdp : public ::testing::TestWithParam<int> {};
 INSTANTIATE_TEST_SUITE_P(WorldSize, SyncBatchNormInDdp, ::testing::Values(2, 3, 4),
                          [](const auto& info) { return "world" + std::to_string(info.param); });
 
-TEST_P(SyncBatchNormInDdp, MatchesOneProcessWithBatchNormOnTheWholeBatch) {
-  // Equal shards: with SyncBatchNorm, N ranks compute what one process
-  // computes on the whole batch, running statistics included; the
-  // statistics are the same on every rank, so nothing is broadcast.
-  run_ranks(GetParam(), [](int rank) {
-    World world = init();
-    int n = world.size();
-    torch::manual_seed(21);
-    BnNet model;
-    torch::manual_seed(21);
-    BnNet reference;
-    model->to(torch::kDouble);
-    reference->to(torch::kDouble);
-    torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-    torch::optim::SGD reference_optimizer(reference->parameters(),
-                                          torch::optim::SGDOptions(0.1).momentum(0.9));
-    EXPECT_EQ(convert_sync_batchnorm(*model, world), 2);
-    DDP<BnNet> ddp(model, world);
-    for (int step = 0; step < 4; ++step) {
-      auto [x, y] = global_batch(step, 3 * n, {1, 12, 12});
-      x = x.to(torch::kDouble);
-      y = y.to(torch::kDouble);
-      optimizer.zero_grad();
-      torch::mse_loss(ddp(x.narrow(0, 3 * rank, 3)), y.narrow(0, 3 * rank, 3)).backward();
-      optimizer.step();
-      reference_optimizer.zero_grad();
-      torch::mse_loss(reference(x), y).backward();
-      reference_optimizer.step();
-      auto at_step = "after step " + std::to_string(step);
-      expect_close_parameters(*model, *reference, kFloat64Tolerance, at_step);
-      auto buffers = model->buffers();
-      auto reference_buffers = reference->buffers();
-      for (size_t i = 0; i < buffers.size(); ++i) {
-        expect_close(buffers[i], reference_buffers[i], kFloat64Tolerance,
-                     "buffer " + std::to_string(i) + " " + at_step);
-      }
-      ddp.check_replicas(); // the buffers too: they are in step
+/// BnNet's layers as typed fields, its norms of type `Norm`, as a program
+/// declares them: without a world in any constructor.
+template <typename Norm>
+struct FieldNetImpl : torch::nn::Module {
+  FieldNetImpl()
+      : conv1(register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 4, 3)))),
+        bn1(register_module("bn1", Norm(4))),
+        conv2(register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(4, 4, 3)))),
+        bn2(register_module("bn2", Norm(4))),
+        head(register_module("head", torch::nn::Linear(4 * 8 * 8, 5))) {}
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::relu(bn1(conv1(x)));
+    x = torch::relu(bn2(conv2(x)));
+    return head(x.flatten(1));
+  }
+  torch::nn::Conv2d conv1;
+  Norm bn1;
+  torch::nn::Conv2d conv2;
+  Norm bn2;
+  torch::nn::Linear head;
+};
+template <typename Norm>
+using FieldNet = torch::nn::ModuleHolder<FieldNetImpl<Norm>>;
+
+// Equal shards: with SyncBatchNorm, N ranks compute what one process
+// computes on the whole batch, running statistics included; the
+// statistics are the same on every rank, so nothing is broadcast.
+// `prepare` makes the model's BatchNorms synchronised, before the wrapper.
+template <typename Model, typename Reference>
+void expect_ddp_equals_one_process(int rank, const std::function<void(Model&, World&)>& prepare) {
+  World world = init();
+  int n = world.size();
+  torch::manual_seed(21);
+  Model model;
+  torch::manual_seed(21);
+  Reference reference;
+  model->to(torch::kDouble);
+  reference->to(torch::kDouble);
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  torch::optim::SGD reference_optimizer(reference->parameters(),
+                                        torch::optim::SGDOptions(0.1).momentum(0.9));
+  prepare(model, world);
+  DDP<Model> ddp(model, world);
+  for (int step = 0; step < 4; ++step) {
+    auto [x, y] = global_batch(step, 3 * n, {1, 12, 12});
+    x = x.to(torch::kDouble);
+    y = y.to(torch::kDouble);
+    optimizer.zero_grad();
+    torch::mse_loss(ddp(x.narrow(0, 3 * rank, 3)), y.narrow(0, 3 * rank, 3)).backward();
+    optimizer.step();
+    reference_optimizer.zero_grad();
+    torch::mse_loss(reference(x), y).backward();
+    reference_optimizer.step();
+    auto at_step = "after step " + std::to_string(step);
+    expect_close_parameters(*model, *reference, kFloat64Tolerance, at_step);
+    auto buffers = model->buffers();
+    auto reference_buffers = reference->buffers();
+    for (size_t i = 0; i < buffers.size(); ++i) {
+      expect_close(buffers[i], reference_buffers[i], kFloat64Tolerance,
+                   "buffer " + std::to_string(i) + " " + at_step);
     }
-    EXPECT_EQ(ddp.stats().total.buffer_broadcasts, 0);
-    EXPECT_EQ(ddp.stats().total.buffer_agreements, 0);
+    ddp.check_replicas(); // the buffers too: they are in step
+  }
+  EXPECT_EQ(ddp.stats().total.buffer_broadcasts, 0);
+  EXPECT_EQ(ddp.stats().total.buffer_agreements, 0);
+}
+
+TEST_P(SyncBatchNormInDdp, MatchesOneProcessWithBatchNormOnTheWholeBatch) {
+  run_ranks(GetParam(), [](int rank) {
+    expect_ddp_equals_one_process<BnNet, BnNet>(rank, [](BnNet& model, World& world) {
+      EXPECT_EQ(convert_sync_batchnorm(*model, world), 2);
+    });
   });
+}
+
+TEST_P(SyncBatchNormInDdp, DeclaredWithoutAWorldItTakesTheWrappersWorld) {
+  run_ranks(GetParam(), [](int rank) {
+    expect_ddp_equals_one_process<FieldNet<SyncBatchNorm>, FieldNet<torch::nn::BatchNorm2d>>(
+        rank, [](FieldNet<SyncBatchNorm>& model, World&) {
+          EXPECT_FALSE(model->bn1->world.has_value());
+        });
+  });
+}
+
+TEST(SyncBatchNorm, WithoutAWorldItIsBatchNormBitForBit) {
+  // A program of one process (the twin of a distributed one) runs the same
+  // model code: without a wrapper, a SyncBatchNorm is a BatchNorm, in
+  // training and in evaluation, with momentum or a cumulative average.
+  for (c10::optional<double> momentum : {c10::optional<double>(0.1), c10::optional<double>()}) {
+    torch::manual_seed(5);
+    SyncBatchNorm sync(torch::nn::BatchNormOptions(3).momentum(momentum));
+    torch::nn::BatchNorm2d plain(torch::nn::BatchNormOptions(3).momentum(momentum));
+    for (int step = 0; step < 3; ++step) {
+      auto x = torch::randn({4, 3, 5, 5}, torch::requires_grad());
+      auto y = torch::randn({4, 3, 5, 5});
+      auto grad = torch::autograd::grad({(sync(x) * y).sum()}, {x, sync->weight, sync->bias});
+      auto expected =
+          torch::autograd::grad({(plain(x) * y).sum()}, {x, plain->weight, plain->bias});
+      for (size_t i = 0; i < grad.size(); ++i) {
+        EXPECT_TRUE(torch::equal(grad[i], expected[i])) << "gradient " << i << " at " << step;
+      }
+      EXPECT_TRUE(torch::equal(sync->running_mean, plain->running_mean));
+      EXPECT_TRUE(torch::equal(sync->running_var, plain->running_var));
+      EXPECT_TRUE(torch::equal(sync->num_batches_tracked, plain->num_batches_tracked));
+    }
+    sync->eval();
+    plain->eval();
+    auto x = torch::randn({2, 3, 5, 5});
+    EXPECT_TRUE(torch::equal(sync(x), plain(x)));
+  }
 }
 
 /// A BatchNorm in each kind of container, and one in a field.

@@ -154,6 +154,7 @@ int main(int argc, char** argv) {
                                                     .seed(flags.seed));
 
   int64_t formed = ft.stats().worlds_formed;
+  auto since_log = torch::zeros({2}, torch::kDouble); // the job's loss summed, samples
   while (ft.step() < flags.steps) {
     phase("begin", ft.step());
     ft.begin_step();
@@ -166,9 +167,16 @@ int main(int argc, char** argv) {
     phase("backward", ft.step());
     loss.backward();
     phase("commit", ft.step());
-    if (!ft.commit()) {
+    // This rank's loss summed and its samples, summed over the step's
+    // world: only for a step that counts.
+    auto figures = torch::stack({loss.detach().to(torch::kDouble) * batch.data.size(0),
+                                 torch::tensor(static_cast<double>(batch.data.size(0)),
+                                               torch::kDouble)});
+    auto sums = ft.commit(figures);
+    if (!sums) {
       continue;
     }
+    since_log += *sums;
     phase("step", ft.step());
     optimizer.step();
     if (reformed) {
@@ -187,11 +195,12 @@ int main(int argc, char** argv) {
       archive.save_to(flags.checkpoint + ".tmp");
       std::filesystem::rename(flags.checkpoint + ".tmp", flags.checkpoint);
     }
-    if (ft.world().rank() == 0 && ft.step() % flags.log_every == 0) {
-      std::printf("step %lld/%lld loss %.4f (world of %d)\n",
-                  static_cast<long long>(ft.step()), static_cast<long long>(flags.steps),
-                  loss.item<double>(), ft.world().size());
-      std::fflush(stdout);
+    if (ft.step() % flags.log_every == 0) {
+      lockstep::on_rank_zero(ft.world())
+          << "step " << ft.step() << "/" << flags.steps << " loss "
+          << (since_log[0] / since_log[1]).item<double>() << " (world of "
+          << ft.world().size() << ")" << std::endl;
+      since_log.zero_();
     }
   }
   phase("done", ft.step());

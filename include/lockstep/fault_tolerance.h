@@ -21,6 +21,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include <functional>
@@ -106,6 +107,12 @@ class FaultTolerance {
   /// call optimizer.step(). False when a rank failed during the step: no
   /// rank applies anything, and the buffers are as the step found them.
   bool commit();
+  /// commit(), which also sums `sums` (a small CPU tensor of this rank's
+  /// figures: its loss summed, the samples it got right, those it saw) over
+  /// the step's world, inside the step's agreement: returns the sums when
+  /// the step counts, nullopt when it is dropped, so that an epoch's
+  /// figures count each committed sample once, whoever trained it.
+  std::optional<at::Tensor> commit(const at::Tensor& sums);
   /// Committed steps.
   int64_t step() const;
   /// State of the program's own that must reach a rank that rejoins with

@@ -6,6 +6,7 @@
 // per-rank batches normalise as one large batch would. PyTorch's
 // counterpart is torch.nn.SyncBatchNorm. See docs/ddp.md.
 
+#include <optional>
 #include <ostream>
 
 #include <torch/nn/cloneable.h>
@@ -23,6 +24,13 @@ namespace lockstep {
 /// it uses the running statistics and communicates nothing.
 class SyncBatchNormImpl : public torch::nn::Cloneable<SyncBatchNormImpl> {
  public:
+  /// Not bound to a world yet: the DistributedDataParallel that wraps the
+  /// model binds it to its own, so that a model declares its BatchNorms as
+  /// typed fields (`lockstep::SyncBatchNorm bn{nullptr};`,
+  /// `bn = register_module("bn", lockstep::SyncBatchNorm(64));`) with no
+  /// world in its constructors. Until then (in a program of one process,
+  /// say) it normalises this rank's batch alone, as BatchNorm does.
+  explicit SyncBatchNormImpl(const torch::nn::BatchNormOptions& options);
   /// Collective in training: every rank of `world` must run each forward
   /// and backward of it, with batches of any size (an empty one included).
   SyncBatchNormImpl(const torch::nn::BatchNormOptions& options, World world);
@@ -43,7 +51,9 @@ class SyncBatchNormImpl : public torch::nn::Cloneable<SyncBatchNormImpl> {
   torch::Tensor running_mean;
   torch::Tensor running_var;
   torch::Tensor num_batches_tracked;
-  World world;
+  /// The ranks whose batches it normalises over; none until bound (see the
+  /// first constructor).
+  std::optional<World> world;
 
  private:
   /// Registers `source`'s tensors under BatchNorm's names, or new ones.

@@ -166,7 +166,22 @@ void FaultTolerance::begin_step() {
 }
 
 bool FaultTolerance::commit() {
-  auto& impl = *impl_;
+  return impl_->commit(nullptr);
+}
+
+std::optional<at::Tensor> FaultTolerance::commit(const at::Tensor& sums) {
+  LOCKSTEP_ENFORCE(sums.defined() && sums.device().is_cpu(), UsageError,
+                   "commit(sums) sums a CPU tensor of this rank's figures; got ",
+                   sums.defined() ? sums.toString() : std::string("an undefined tensor"), ".");
+  at::Tensor total = sums.detach().contiguous().clone();
+  if (!impl_->commit(&total)) {
+    return std::nullopt;
+  }
+  return total;
+}
+
+bool FaultTolerance::Impl::commit(at::Tensor* sums) {
+  auto& impl = *this;
   LOCKSTEP_ENFORCE(impl.in_step, UsageError, "commit() was called without begin_step(): "
                    "every step starts with ft.begin_step().");
   impl.in_step = false;
@@ -182,6 +197,17 @@ bool FaultTolerance::commit() {
   }
   if (failure.empty()) {
     failure = WorldAccess::broken(impl.world);
+  }
+  if (failure.empty() && sums != nullptr) {
+    // In the world that reduced the gradients, before the vote: a rank
+    // that fails here fails the step, so sums are never of a dropped one.
+    try {
+      impl.world.all_reduce(*sums);
+    } catch (const CollectiveError& e) {
+      failure = e.what();
+    } catch (const TimeoutError& e) {
+      failure = e.what();
+    }
   }
   impl.progress(Phase::Voted);
   auto decision = impl.agreement->decide_step(impl.epoch, impl.committed, impl.me, impl.members,

@@ -105,6 +105,9 @@ struct FaultTolerance::Impl {
   void progress(detail::Phase phase) {
     liveness->set_progress(detail::progress_of(committed, phase));
   }
+  /// Decides the step (commit() and commit(sums)); `sums`, when given, is
+  /// summed over the step's world in place before the vote.
+  bool commit(at::Tensor* sums);
   /// Why the current world was given up, or "".
   std::string verdict();
   /// From now on the liveness thread watches `next` and its members.

@@ -175,6 +175,11 @@ bool is_batch_norm(const torch::nn::Module& module) {
   return batch_norm_options(module) != nullptr;
 }
 
+SyncBatchNormImpl::SyncBatchNormImpl(const torch::nn::BatchNormOptions& options_in)
+    : options(options_in) {
+  reset();
+}
+
 SyncBatchNormImpl::SyncBatchNormImpl(const torch::nn::BatchNormOptions& options_in, World world_in)
     : options(options_in), world(std::move(world_in)) {
   reset();
@@ -262,7 +267,22 @@ torch::Tensor SyncBatchNormImpl::forward(const torch::Tensor& input) {
                              /*training=*/!tracking, 0.0, options.eps(),
                              /*cudnn_enabled=*/false);
   }
-  GlobalStatistics global = gather_statistics(world, input);
+  if (!world) {
+    // Not bound (no DistributedDataParallel wraps it): what BatchNorm's
+    // forward does, on this rank's batch.
+    double factor = options.momentum().value_or(0.0);
+    if (tracking) {
+      at::NoGradGuard no_grad;
+      num_batches_tracked += 1;
+      if (!options.momentum().has_value()) {
+        factor = 1.0 / num_batches_tracked.item<double>();
+      }
+    }
+    return torch::batch_norm(input, weight, bias, running_mean, running_var,
+                             /*training=*/true, factor, options.eps(),
+                             at::globalContext().userEnabledCuDNN());
+  }
+  GlobalStatistics global = gather_statistics(*world, input);
   if (tracking) {
     at::NoGradGuard no_grad;
     num_batches_tracked += 1;
@@ -293,7 +313,7 @@ torch::Tensor SyncBatchNormImpl::forward(const torch::Tensor& input) {
   if (at::GradMode::is_enabled() &&
       torch::autograd::compute_requires_grad(input, weight, bias)) {
     auto node = std::shared_ptr<SyncBatchNormBackward>(
-        new SyncBatchNormBackward(world, input.detach(),
+        new SyncBatchNormBackward(*world, input.detach(),
                                   weight.defined() ? weight.detach() : at::Tensor(), mean, var,
                                   invstd, global.count, options.eps()),
         torch::autograd::deleteNode);

@@ -20,8 +20,12 @@ namespace lockstep::detail {
 void Reducer::State::find_buffers_in_step(torch::nn::Module& module) {
   buffer_in_step.assign(buffers.size(), 0);
   for (const auto& item : module.named_modules()) {
-    if (dynamic_cast<const SyncBatchNormImpl*>(item.value().get()) == nullptr) {
+    auto* sync = dynamic_cast<SyncBatchNormImpl*>(item.value().get());
+    if (sync == nullptr) {
       continue;
+    }
+    if (!sync->world) {
+      sync->world = world; // declared without one: the wrapper's
     }
     communicates_in_forward = true;
     for (const auto& buffer : item.value()->buffers(/*recurse=*/false)) {

@@ -273,8 +273,9 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   /// Puts ForwardReached hooks on the outputs of the forward just run.
   void hook_outputs(const std::vector<at::Tensor>& outputs);
   void broadcast_buffers();
-  /// Marks the buffers of SyncBatchNorm modules as in step, and notes that
-  /// the module communicates in forward.
+  /// Marks the buffers of SyncBatchNorm modules as in step, notes that the
+  /// module communicates in forward, and binds those declared without a
+  /// world to this one.
   void find_buffers_in_step(torch::nn::Module& module);
   /// Collective, before every forward inside a join guard: which ranks
   /// still train, and whether a synchronised backward follows. False once

@@ -5,8 +5,9 @@
 // (PAUSE_MS after each step, ten times that while a rank is missing: a
 // restarted rank takes a second or more to start, and a plan of kills waits
 // for it to have rejoined.)
-// Each committed step appends "<step> <world size> <sum of parameters>" to
-// OUT_DIR/rank-R.log (R: the launcher rank); at the end the world's rank 0
+// Each committed step appends "<step> <world size> <sum of parameters>
+// <squared error over the step's batch> <its samples>" to OUT_DIR/rank-R.log
+// (the last two summed over the step's world by ft.commit(sums)) (R: the launcher rank); at the end the world's rank 0
 // writes OUT_DIR/parameters.bin; each process writes its pid to
 // OUT_DIR/pid-R as it starts. LOCKSTEP_TEST_KILLS="R:I:STEP:PHASE,..."
 // makes incarnation I of rank R kill itself (SIGKILL) at the first step from
@@ -132,6 +133,11 @@ int train(int argc, char** argv) {
       [&](torch::serialize::InputArchive& archive) {
         torch::Tensor steps;
         archive.read("steps", steps);
+        // The sender's rate, which the optimizer's loading brought back
+        // (LibTorch's own loading keeps the rate the optimizer was built with).
+        std::printf("elastic_float64: rank %d received lr %.17g after %lld scheduled steps\n",
+                    replica, optimizer.param_groups()[0].options().get_lr(),
+                    static_cast<long long>(steps.item<int64_t>()));
         // From the initial rate, whatever the optimizer's loading restored.
         for (auto& group : optimizer.param_groups()) {
           static_cast<torch::optim::SGDOptions&>(group.options()).lr(0.1);
@@ -161,10 +167,14 @@ int train(int argc, char** argv) {
                                torch::kLong);
     optimizer.zero_grad();
     maybe_die("forward");
-    auto loss = torch::mse_loss(ddp(inputs.index_select(0, index)), targets.index_select(0, index));
+    auto error = ddp(inputs.index_select(0, index)) - targets.index_select(0, index);
+    auto loss = error.pow(2).mean();
     loss.backward();
     maybe_die("commit");
-    if (!ft.commit()) {
+    auto figures = torch::stack({error.detach().pow(2).sum(),
+                                 torch::tensor(static_cast<double>(index.numel()), torch::kDouble)});
+    auto totals = ft.commit(figures);
+    if (!totals) {
       continue;
     }
     maybe_die("step");
@@ -175,9 +185,10 @@ int train(int argc, char** argv) {
     for (const auto& param : model->parameters()) {
       sum += param.sum().item<double>();
     }
-    char line[128];
-    std::snprintf(line, sizeof(line), "%lld %d %.17g\n", static_cast<long long>(ft.step()),
-                  ft.world().size(), sum);
+    char line[160];
+    std::snprintf(line, sizeof(line), "%lld %d %.17g %.17g %g\n",
+                  static_cast<long long>(ft.step()), ft.world().size(), sum,
+                  (*totals)[0].item<double>(), (*totals)[1].item<double>());
     log << line << std::flush;
     // Slower while a rank is missing, so that its restart (a second or
     // more on a loaded machine) rejoins before the run ends.
