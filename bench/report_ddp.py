@@ -41,6 +41,10 @@ def main():
         "buffers broadcast when changed, shared memory between the ranks of one host, or Gloo",
         "with LOCKSTEP_TRANSPORT=gloo; PyTorch: 25 MiB buckets, broadcast_buffers=True, Gloo).",
         "Peak RSS counts the shared segment's pages that a rank touched, in every rank.",
+        ("Both sides with glibc keeping the memory it frees (GLIBC_TUNABLES="
+         f"{os.environ['GLIBC_TUNABLES']}, as the tests run)."
+         if os.environ.get("GLIBC_TUNABLES") else
+         "Both sides with glibc's default malloc settings (the program chooses; see docs/troubleshooting.md)."),
         "",
         "| model | " + " | ".join(label for _, label in MODES) +
         " | shm / PyTorch | shm / 1 process | Gloo / PyTorch |",
