@@ -178,13 +178,15 @@ TEST_P(FaultToleranceKills, EachFailureCostsOneStepAndTheRunEqualsTheCommittedSt
   EXPECT_EQ(occurrences(result.output, "received the live state"), plan.killed) << result.output;
   EXPECT_EQ(occurrences(result.output, "the job is ending"), 0) << result.output;
   // The live state brings the optimizer's group options: a restarted rank
-  // receives the sender's decayed rate (StepLR halves it every 50 steps).
+  // receives the sender's decayed rate. (LibTorch's StepLR halves it at its
+  // 51st, 101st ... step: it decides before it counts.)
   std::regex received("received lr ([0-9.e+-]+) after ([0-9]+) scheduled steps");
   int receipts = 0;
   for (std::sregex_iterator it(result.output.begin(), result.output.end(), received), end;
        it != end; ++it, ++receipts) {
     int64_t scheduled = std::stoll((*it)[2]);
-    EXPECT_EQ(std::stod((*it)[1]), 0.1 * std::pow(0.5, static_cast<double>(scheduled / 50)))
+    int64_t halvings = scheduled > 0 ? (scheduled - 1) / 50 : 0;
+    EXPECT_EQ(std::stod((*it)[1]), 0.1 * std::pow(0.5, static_cast<double>(halvings)))
         << "after " << scheduled << " steps";
   }
   EXPECT_EQ(receipts, plan.killed) << result.output;
@@ -578,6 +580,8 @@ TEST(FaultToleranceErrors, MisuseIsAUsageError) {
   ft.begin_step();
   ddp(torch::randn({4, 20})).sum().backward();
   expect_error<UsageError>([&] { ft.commit(torch::Tensor()); }, {"commit(sums) sums a CPU tensor"});
+  expect_error<UsageError>([&] { ft.commit(torch::ones({2}, torch::kBool)); },
+                           {"commit(sums) sums real numbers"});
   auto figures = torch::tensor({2.5, 4.0}, torch::kDouble);
   auto sums = ft.commit(figures);
   ASSERT_TRUE(sums.has_value());

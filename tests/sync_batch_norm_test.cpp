@@ -320,9 +320,12 @@ TEST(SyncBatchNorm, WithoutAWorldItIsBatchNormBitForBit) {
     for (int step = 0; step < 3; ++step) {
       auto x = torch::randn({4, 3, 5, 5}, torch::requires_grad());
       auto y = torch::randn({4, 3, 5, 5});
-      auto grad = torch::autograd::grad({(sync(x) * y).sum()}, {x, sync->weight, sync->bias});
+      auto out = sync(x);
+      auto expected_out = plain(x);
+      EXPECT_TRUE(torch::equal(out, expected_out)) << "output at " << step;
+      auto grad = torch::autograd::grad({(out * y).sum()}, {x, sync->weight, sync->bias});
       auto expected =
-          torch::autograd::grad({(plain(x) * y).sum()}, {x, plain->weight, plain->bias});
+          torch::autograd::grad({(expected_out * y).sum()}, {x, plain->weight, plain->bias});
       for (size_t i = 0; i < grad.size(); ++i) {
         EXPECT_TRUE(torch::equal(grad[i], expected[i])) << "gradient " << i << " at " << step;
       }
@@ -334,7 +337,30 @@ TEST(SyncBatchNorm, WithoutAWorldItIsBatchNormBitForBit) {
     plain->eval();
     auto x = torch::randn({2, 3, 5, 5});
     EXPECT_TRUE(torch::equal(sync(x), plain(x)));
+    // BatchNorm's own check, too.
+    sync->train();
+    expect_error<c10::Error>([&] { sync(torch::randn({1, 3, 1, 1})); },
+                             {"Expected more than 1 value per channel when training"});
   }
+}
+
+TEST(SyncBatchNorm, TheWrapperThatBoundItLetsGoWhenItEnds) {
+  // Trained alone after the wrapper has gone (or by a later wrapper), it
+  // must not reduce in the first wrapper's world any more.
+  run_ranks(1, [](int) {
+    World world = init();
+    FieldNet<SyncBatchNorm> model;
+    {
+      DDP<FieldNet<SyncBatchNorm>> ddp(model, world);
+      EXPECT_TRUE(model->bn1->world.has_value());
+    }
+    EXPECT_FALSE(model->bn1->world.has_value());
+    EXPECT_FALSE(model->bn2->world.has_value());
+    SyncBatchNorm bound(torch::nn::BatchNormOptions(4), world);
+    torch::nn::Sequential holder(bound);
+    { DDP<torch::nn::Sequential> ddp(holder, world); }
+    EXPECT_TRUE(bound->world.has_value()) << "a world given by the program stays";
+  });
 }
 
 /// A BatchNorm in each kind of container, and one in a field.

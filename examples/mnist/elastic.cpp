@@ -154,7 +154,9 @@ int main(int argc, char** argv) {
                                                     .seed(flags.seed));
 
   int64_t formed = ft.stats().worlds_formed;
-  auto since_log = torch::zeros({2}, torch::kDouble); // the job's loss summed, samples
+  // The job's loss summed and its samples, over the committed steps since
+  // the last line (since this rank joined, on a rank that rejoined).
+  auto since_log = torch::zeros({2}, torch::kDouble);
   while (ft.step() < flags.steps) {
     phase("begin", ft.step());
     ft.begin_step();
@@ -195,7 +197,7 @@ int main(int argc, char** argv) {
       archive.save_to(flags.checkpoint + ".tmp");
       std::filesystem::rename(flags.checkpoint + ".tmp", flags.checkpoint);
     }
-    if (ft.step() % flags.log_every == 0) {
+    if (ft.step() % flags.log_every == 0 && since_log[1].item<double>() > 0) {
       lockstep::on_rank_zero(ft.world())
           << "step " << ft.step() << "/" << flags.steps << " loss "
           << (since_log[0] / since_log[1]).item<double>() << " (world of "

@@ -173,6 +173,10 @@ std::optional<at::Tensor> FaultTolerance::commit(const at::Tensor& sums) {
   LOCKSTEP_ENFORCE(sums.defined() && sums.device().is_cpu(), UsageError,
                    "commit(sums) sums a CPU tensor of this rank's figures; got ",
                    sums.defined() ? sums.toString() : std::string("an undefined tensor"), ".");
+  LOCKSTEP_ENFORCE(at::isFloatingType(sums.scalar_type()) ||
+                       at::isIntegralType(sums.scalar_type(), /*includeBool=*/false),
+                   UsageError, "commit(sums) sums real numbers; got a tensor of ",
+                   sums.scalar_type(), ".");
   at::Tensor total = sums.detach().contiguous().clone();
   if (!impl_->commit(&total)) {
     return std::nullopt;

@@ -12,6 +12,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/grad_mode.h>
+#include <torch/nn/functional/batchnorm.h>
 #include <torch/nn/init.h>
 #include <torch/nn/modules/batchnorm.h>
 
@@ -260,27 +261,22 @@ torch::Tensor SyncBatchNormImpl::forward(const torch::Tensor& input) {
                    options.num_features(), " features got an input with ", input.size(1),
                    " channels (", input.sizes(), ").");
   bool tracking = options.track_running_stats();
-  if (!is_training()) {
-    // Running statistics, or without them this rank's batch, as BatchNorm
-    // does (and PyTorch's SyncBatchNorm): nothing to agree on.
-    return torch::batch_norm(input, weight, bias, running_mean, running_var,
-                             /*training=*/!tracking, 0.0, options.eps(),
-                             /*cudnn_enabled=*/false);
-  }
-  if (!world) {
-    // Not bound (no DistributedDataParallel wraps it): what BatchNorm's
-    // forward does, on this rank's batch.
+  if (!is_training() || !world) {
+    // In eval mode, the running statistics (or without them this rank's
+    // batch), as BatchNorm does and PyTorch's SyncBatchNorm: nothing to
+    // agree on. Not bound (no DistributedDataParallel wraps it): what
+    // BatchNorm's forward does, on this rank's batch, its checks included.
     double factor = options.momentum().value_or(0.0);
-    if (tracking) {
+    if (is_training() && tracking) {
       at::NoGradGuard no_grad;
       num_batches_tracked += 1;
       if (!options.momentum().has_value()) {
         factor = 1.0 / num_batches_tracked.item<double>();
       }
     }
-    return torch::batch_norm(input, weight, bias, running_mean, running_var,
-                             /*training=*/true, factor, options.eps(),
-                             at::globalContext().userEnabledCuDNN());
+    return torch::nn::functional::detail::batch_norm(
+        input, running_mean, running_var, weight, bias, is_training() || !tracking, factor,
+        options.eps());
   }
   GlobalStatistics global = gather_statistics(*world, input);
   if (tracking) {

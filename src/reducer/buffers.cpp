@@ -26,6 +26,7 @@ void Reducer::State::find_buffers_in_step(torch::nn::Module& module) {
     }
     if (!sync->world) {
       sync->world = world; // declared without one: the wrapper's
+      bound_norms.push_back(item.value());
     }
     communicates_in_forward = true;
     for (const auto& buffer : item.value()->buffers(/*recurse=*/false)) {

@@ -14,6 +14,8 @@
 #include <torch/nn/module.h>
 #include <torch/nn/modules/embedding.h>
 
+#include <lockstep/sync_batch_norm.h>
+
 #include "reducer/bucket_cap.h"
 #include "reducer/graph_walk.h"
 #include "reducer/model_state.h"
@@ -102,7 +104,13 @@ Reducer::Reducer(torch::nn::Module& module, World world, DdpOptions options)
   state.install_hooks(0);
 }
 
-Reducer::~Reducer() = default;
+Reducer::~Reducer() {
+  for (const auto& held : state_->bound_norms) {
+    if (auto module = held.lock()) {
+      dynamic_cast<SyncBatchNormImpl&>(*module).world.reset();
+    }
+  }
+}
 
 std::vector<size_t> Reducer::State::reverse_registration_order() const {
   std::vector<size_t> order(params.size());

@@ -68,6 +68,9 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   // Whether the module holds a SyncBatchNorm, which communicates in forward
   // and backward by itself.
   bool communicates_in_forward = false;
+  // The SyncBatchNorms declared without a world that this wrapper bound to
+  // its own: unbound when it goes, so that they do not outlive it there.
+  std::vector<std::weak_ptr<torch::nn::Module>> bound_norms;
   // Every parameter (trainable or not) and every buffer, by name, for
   // check_replicas.
   std::vector<NamedTensor> all_params;

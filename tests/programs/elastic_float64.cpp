@@ -138,6 +138,7 @@ int train(int argc, char** argv) {
         std::printf("elastic_float64: rank %d received lr %.17g after %lld scheduled steps\n",
                     replica, optimizer.param_groups()[0].options().get_lr(),
                     static_cast<long long>(steps.item<int64_t>()));
+        std::fflush(stdout); // this incarnation may be killed before it exits
         // From the initial rate, whatever the optimizer's loading restored.
         for (auto& group : optimizer.param_groups()) {
           static_cast<torch::optim::SGDOptions&>(group.options()).lr(0.1);
