@@ -62,6 +62,9 @@ struct WorldAccess {
   /// `rank`. Raises (RendezvousError, or the transport's) when a process
   /// does not come within the world's timeout.
   static World form(const World& base, int rank, int size, const std::string& scope);
+  /// lockstep::split (replica_groups.h), which needs the world's own key
+  /// prefix to name its sub-worlds' keys apart from every other world's.
+  static World split(const World& world, int color);
   /// Every collective of `world`, waiting or to come, fails with
   /// CollectiveError saying `why`; once the world is let go of, what it
   /// held is released on a thread of its own (a stopped peer may hold its

@@ -1,0 +1,313 @@
+// DiLoCo, Streaming DiLoCo and LocalSGD (diloco.h) against references
+// written here, in float64: N replicas simulated in one process, each with
+// its own model and inner optimizer, and the global parameters stepped by
+// outer optimizers of their own, as torchft's schedule says. And the one
+// case where they are plain DDP: H = 1 with a stateless inner SGD.
+
+#include <cmath>
+#include <tuple>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <lockstep/diloco.h>
+#include <lockstep/lockstep.h>
+#include <lockstep/replica_groups.h>
+
+#include "support/expect_error.h"
+#include "support/models.h"
+#include "support/multiprocess.h"
+#include "support/training.h"
+
+namespace lockstep::testing {
+namespace {
+
+constexpr int64_t kPerReplica = 4; // samples per replica per step
+
+/// The parameters of `model` cut into `count` fragments: fc1 | fc2 + fc3,
+/// or fc1 | fc2 | fc3.
+std::vector<std::vector<torch::Tensor>> fragments_of(Mlp& model, int count) {
+  auto layer = [](torch::nn::Linear& linear) {
+    return std::vector<torch::Tensor>{linear->weight, linear->bias};
+  };
+  if (count == 1) {
+    return {model->parameters()};
+  }
+  auto second = layer(model->fc2);
+  if (count == 2) {
+    auto third = layer(model->fc3);
+    second.insert(second.end(), third.begin(), third.end());
+    return {layer(model->fc1), second};
+  }
+  return {layer(model->fc1), second, layer(model->fc3)};
+}
+
+Mlp float64_mlp() {
+  torch::manual_seed(3);
+  Mlp model;
+  model->to(torch::kDouble);
+  return model;
+}
+
+std::pair<torch::Tensor, torch::Tensor> replica_batch(int64_t step, int replicas, int replica) {
+  auto [x, y] = global_batch(step, kPerReplica * replicas, {20});
+  return {x.to(torch::kDouble).narrow(0, kPerReplica * replica, kPerReplica),
+          y.to(torch::kDouble).narrow(0, kPerReplica * replica, kPerReplica)};
+}
+
+torch::optim::SGDOptions inner_options() {
+  return torch::optim::SGDOptions(0.05).momentum(0.9);
+}
+
+torch::optim::SGDOptions outer_options() {
+  return torch::optim::SGDOptions(0.7).momentum(0.9).nesterov(true);
+}
+
+struct StreamingCase {
+  int fragments;
+  int64_t delay;
+  double alpha;
+};
+
+/// What torchft's Streaming DiLoCo computes, for `replicas` replicas over
+/// `steps` inner steps with sync_every `h`: each replica's parameters after
+/// each step.
+std::vector<std::vector<std::vector<torch::Tensor>>> streaming_reference(
+    const StreamingCase& c, int replicas, int64_t h, int64_t steps) {
+  std::vector<Mlp> models;
+  std::vector<std::unique_ptr<torch::optim::SGD>> inners;
+  for (int r = 0; r < replicas; ++r) {
+    models.push_back(float64_mlp());
+    inners.push_back(std::make_unique<torch::optim::SGD>(models.back()->parameters(),
+                                                         inner_options()));
+  }
+  // The global parameters, stepped by an outer SGD per fragment.
+  Mlp global = float64_mlp();
+  auto global_fragments = fragments_of(global, c.fragments);
+  std::vector<std::unique_ptr<torch::optim::SGD>> outers;
+  for (const auto& fragment : global_fragments) {
+    outers.push_back(std::make_unique<torch::optim::SGD>(fragment, outer_options()));
+  }
+  int64_t interval = h / c.fragments;
+  int64_t syncs = 0;
+  std::vector<torch::Tensor> in_flight; // the averaged pseudo-gradient, per parameter
+  std::vector<std::vector<std::vector<torch::Tensor>>> after(static_cast<size_t>(steps));
+  for (int64_t step = 0; step < steps; ++step) {
+    for (int r = 0; r < replicas; ++r) {
+      auto [x, y] = replica_batch(step, replicas, r);
+      inners[r]->zero_grad();
+      torch::mse_loss(models[r](x), y).backward();
+      inners[r]->step();
+    }
+    int64_t local_step = step + 1;
+    size_t fragment = static_cast<size_t>(syncs % c.fragments);
+    auto send = [&] {
+      torch::NoGradGuard no_grad;
+      in_flight.clear();
+      for (size_t i = 0; i < global_fragments[fragment].size(); ++i) {
+        auto sum = torch::zeros_like(global_fragments[fragment][i]);
+        for (int r = 0; r < replicas; ++r) {
+          sum += global_fragments[fragment][i] - fragments_of(models[r], c.fragments)[fragment][i];
+        }
+        in_flight.push_back(sum / replicas);
+      }
+    };
+    if (c.delay > 0 && (local_step + c.delay) % interval == 0) {
+      send();
+    }
+    if (local_step % interval == 0) {
+      if (c.delay == 0) {
+        send();
+      }
+      torch::NoGradGuard no_grad;
+      for (size_t i = 0; i < global_fragments[fragment].size(); ++i) {
+        global_fragments[fragment][i].mutable_grad() = in_flight[i].clone();
+      }
+      outers[fragment]->step();
+      for (int r = 0; r < replicas; ++r) {
+        auto local = fragments_of(models[r], c.fragments)[fragment];
+        for (size_t i = 0; i < local.size(); ++i) {
+          const auto& g = global_fragments[fragment][i];
+          local[i].copy_(g + c.alpha * (local[i] - g));
+        }
+      }
+      ++syncs;
+    }
+    for (int r = 0; r < replicas; ++r) {
+      std::vector<torch::Tensor> copy;
+      for (const auto& p : models[r]->parameters()) {
+        copy.push_back(p.detach().clone());
+      }
+      after[static_cast<size_t>(step)].push_back(copy);
+    }
+  }
+  return after;
+}
+
+class StreamingDiLoCo : public ::testing::TestWithParam<StreamingCase> {};
+
+constexpr int kReplicas = 3;
+constexpr int64_t kSyncEvery = 6;
+constexpr int64_t kSteps = 14;
+
+TEST_P(StreamingDiLoCo, EqualsTorchftsScheduleAndArithmetic) {
+  const auto c = GetParam();
+  run_ranks(kReplicas, [c](int rank) {
+    auto reference = streaming_reference(c, kReplicas, kSyncEvery, kSteps);
+    World world = init();
+    Mlp model = float64_mlp();
+    torch::optim::SGD inner(model->parameters(), inner_options());
+    auto fragments = fragments_of(model, c.fragments);
+    std::vector<std::unique_ptr<torch::optim::SGD>> outers;
+    std::vector<torch::optim::Optimizer*> outer_pointers;
+    for (const auto& fragment : fragments) {
+      outers.push_back(std::make_unique<torch::optim::SGD>(fragment, outer_options()));
+      outer_pointers.push_back(outers.back().get());
+    }
+    DiLoCo diloco(world, fragments, inner, outer_pointers,
+                  DiLoCoOptions().sync_every(kSyncEvery).fragment_sync_delay(c.delay)
+                      .fragment_update_alpha(c.alpha));
+    for (int64_t step = 0; step < kSteps; ++step) {
+      auto [x, y] = replica_batch(step, kReplicas, rank);
+      inner.zero_grad();
+      torch::mse_loss(model(x), y).backward();
+      int64_t syncs = diloco.syncs();
+      diloco.step();
+      auto parameters = model->parameters();
+      const auto& expected = reference[static_cast<size_t>(step)][static_cast<size_t>(rank)];
+      for (size_t i = 0; i < parameters.size(); ++i) {
+        ASSERT_TRUE(torch::allclose(parameters[i], expected[i], 0, kFloat64Tolerance))
+            << "parameter " << i << " after step " << step << ": largest difference "
+            << (parameters[i] - expected[i]).abs().max().item<double>();
+      }
+      if (diloco.syncs() > syncs && c.alpha == 0) {
+        // Just after its outer step a fragment holds the global
+        // parameters, which every replica computed alike, bit for bit.
+        expect_same_on_every_rank(
+            world, flatten(fragments[static_cast<size_t>(syncs % c.fragments)]),
+            "fragment " + std::to_string(syncs % c.fragments) + " after sync " +
+                std::to_string(syncs));
+      }
+    }
+    EXPECT_EQ(diloco.local_step(), kSteps);
+    EXPECT_EQ(diloco.syncs(), kSteps / (kSyncEvery / c.fragments));
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Fragments, StreamingDiLoCo,
+    ::testing::Values(StreamingCase{1, 0, 0.0}, StreamingCase{2, 0, 0.0},
+                      StreamingCase{2, 1, 0.0}, StreamingCase{2, 1, 0.5},
+                      StreamingCase{2, 0, 1.0}, StreamingCase{3, 0, 0.5},
+                      StreamingCase{3, 1, 0.0}, StreamingCase{3, 1, 1.0}),
+    [](const ::testing::TestParamInfo<StreamingCase>& info) {
+      return "F" + std::to_string(info.param.fragments) + "_delay" +
+          std::to_string(info.param.delay) + "_alpha" +
+          std::to_string(static_cast<int>(info.param.alpha * 10));
+    });
+
+class EveryStepIsDdp : public ::testing::TestWithParam<int> {};
+INSTANTIATE_TEST_SUITE_P(WorldSize, EveryStepIsDdp, ::testing::Values(2, 3),
+                         [](const auto& info) { return "world" + std::to_string(info.param); });
+
+TEST_P(EveryStepIsDdp, DiLoCoAndLocalSgdWithHOfOneAndAPlainSgd) {
+  // With a stateless inner SGD of rate lr, one fragment, H = 1 and an
+  // outer SGD of rate 1, the global parameters move by lr times the
+  // replicas' mean gradient each step: DDP's step, so one process on the
+  // whole batch. LocalSGD with H = 1 averages the same parameters.
+  run_ranks(GetParam(), [](int rank) {
+    World world = init();
+    int n = world.size();
+    Mlp reference = float64_mlp();
+    torch::optim::SGD reference_optimizer(reference->parameters(), 0.1);
+    Mlp by_diloco = float64_mlp();
+    torch::optim::SGD inner(by_diloco->parameters(), 0.1);
+    torch::optim::SGD outer(by_diloco->parameters(), 1.0);
+    DiLoCo diloco(world, {by_diloco->parameters()}, inner, {&outer},
+                  DiLoCoOptions().sync_every(1));
+    Mlp by_local_sgd = float64_mlp();
+    torch::optim::SGD local_inner(by_local_sgd->parameters(), 0.1);
+    LocalSGD local_sgd(world, by_local_sgd->parameters(), local_inner, 1);
+    for (int64_t step = 0; step < 6; ++step) {
+      auto [x, y] = global_batch(step, kPerReplica * n, {20});
+      x = x.to(torch::kDouble);
+      y = y.to(torch::kDouble);
+      auto mine_x = x.narrow(0, kPerReplica * rank, kPerReplica);
+      auto mine_y = y.narrow(0, kPerReplica * rank, kPerReplica);
+      reference_optimizer.zero_grad();
+      torch::mse_loss(reference(x), y).backward();
+      reference_optimizer.step();
+      inner.zero_grad();
+      torch::mse_loss(by_diloco(mine_x), mine_y).backward();
+      diloco.step();
+      local_inner.zero_grad();
+      torch::mse_loss(by_local_sgd(mine_x), mine_y).backward();
+      local_sgd.step();
+      auto at = "after step " + std::to_string(step);
+      expect_close_parameters(*by_diloco, *reference, kFloat64Tolerance, "DiLoCo " + at);
+      expect_close_parameters(*by_local_sgd, *reference, kFloat64Tolerance, "LocalSGD " + at);
+    }
+  });
+}
+
+TEST(DiLoCoErrors, OptionsThatBreakTheScheduleAreConfigErrors) {
+  run_ranks(1, [](int) {
+    World world = init();
+    Mlp model = float64_mlp();
+    torch::optim::SGD inner(model->parameters(), 0.1);
+    torch::optim::SGD outer(model->parameters(), 0.7);
+    auto two = fragments_of(model, 2);
+    auto make = [&](std::vector<std::vector<torch::Tensor>> fragments, DiLoCoOptions options,
+                    std::vector<torch::optim::Optimizer*> outers) {
+      DiLoCo diloco(world, std::move(fragments), inner, std::move(outers), options);
+    };
+    expect_error<ConfigError>([&] { make(two, DiLoCoOptions().sync_every(5), {&outer}); },
+                              {"must be a positive multiple of the number of fragments (2)"});
+    expect_error<ConfigError>(
+        [&] { make(two, DiLoCoOptions().sync_every(4).fragment_sync_delay(2), {&outer}); },
+        {"fragment_sync_delay (2) must be at least 0 and less than sync_every / fragments (2)"});
+    expect_error<ConfigError>(
+        [&] { make(two, DiLoCoOptions().sync_every(4).fragment_update_alpha(1.5), {&outer}); },
+        {"fragment_update_alpha must be within [0, 1]"});
+    expect_error<ConfigError>([&] { make({}, DiLoCoOptions(), {&outer}); },
+                              {"at least one fragment"});
+    torch::optim::SGD other(model->fc1->parameters(), 0.7);
+    expect_error<ConfigError>([&] { make(two, DiLoCoOptions().sync_every(4), {&other, &other}); },
+                              {"the outer optimizer of fragment 1 does not hold"});
+    expect_error<ConfigError>(
+        [&] { make(two, DiLoCoOptions().sync_every(4), {&outer, &outer, &outer}); },
+        {"one outer optimizer per fragment (2) or one for all, not 3"});
+    expect_error<ConfigError>([&] { LocalSGD(world, model->parameters(), inner, 0); },
+                              {"LocalSGD's sync_every must be 1 or more"});
+  });
+}
+
+TEST(ReplicaGroups, SplitsIntoReplicasAndTheRanksAcrossThem) {
+  // 4 ranks as 2 replicas of 2: each collective runs among its group only.
+  run_ranks(4, [](int rank) {
+    World world = init();
+    auto groups = replica_groups(world, 2);
+    EXPECT_EQ(groups.replica.size(), 2);
+    EXPECT_EQ(groups.replica.rank(), rank % 2);
+    EXPECT_EQ(groups.across.size(), 2);
+    EXPECT_EQ(groups.across.rank(), rank / 2);
+    auto in_replica = torch::tensor({static_cast<double>(rank)}, torch::kDouble);
+    groups.replica.all_reduce(in_replica);
+    EXPECT_EQ(in_replica.item<double>(), rank < 2 ? 0 + 1 : 2 + 3);
+    auto across = torch::tensor({static_cast<double>(rank)}, torch::kDouble);
+    groups.across.all_reduce(across);
+    EXPECT_EQ(across.item<double>(), rank % 2 == 0 ? 0 + 2 : 1 + 3);
+    // A split of a split names its keys apart from its parent's siblings.
+    World alone = split(groups.replica, groups.replica.rank());
+    EXPECT_EQ(alone.size(), 1);
+    auto mine = torch::tensor({1.0}, torch::kDouble);
+    alone.all_reduce(mine);
+    EXPECT_EQ(mine.item<double>(), 1.0);
+    world.barrier();
+    expect_error<ConfigError>([&] { replica_groups(world, 3); },
+                              {"3 ranks per replica do not divide the world's 4 ranks"});
+  });
+}
+
+} // namespace
+} // namespace lockstep::testing
