@@ -42,8 +42,8 @@ std::vector<std::vector<torch::Tensor>> fragments_of(Mlp& model, int count) {
   return {layer(model->fc1), second, layer(model->fc3)};
 }
 
-Mlp float64_mlp() {
-  torch::manual_seed(3);
+Mlp float64_mlp(uint64_t seed = 3) {
+  torch::manual_seed(seed);
   Mlp model;
   model->to(torch::kDouble);
   return model;
@@ -67,6 +67,8 @@ struct StreamingCase {
   int fragments;
   int64_t delay;
   double alpha;
+  /// One outer optimizer for every fragment, as torchft takes it.
+  bool shared_outer = false;
 };
 
 /// What torchft's Streaming DiLoCo computes, for `replicas` replicas over
@@ -155,14 +157,23 @@ TEST_P(StreamingDiLoCo, EqualsTorchftsScheduleAndArithmetic) {
   run_ranks(kReplicas, [c](int rank) {
     auto reference = streaming_reference(c, kReplicas, kSyncEvery, kSteps);
     World world = init();
-    Mlp model = float64_mlp();
+    // Each replica draws its own parameters: rank 0's become everyone's.
+    Mlp model = float64_mlp(3 + static_cast<uint64_t>(rank));
     torch::optim::SGD inner(model->parameters(), inner_options());
     auto fragments = fragments_of(model, c.fragments);
     std::vector<std::unique_ptr<torch::optim::SGD>> outers;
     std::vector<torch::optim::Optimizer*> outer_pointers;
-    for (const auto& fragment : fragments) {
-      outers.push_back(std::make_unique<torch::optim::SGD>(fragment, outer_options()));
+    if (c.shared_outer) {
+      // Momentum is per parameter, so one SGD over all fragments steps each
+      // as its own would, provided it steps the synchronised fragment only.
+      outers.push_back(std::make_unique<torch::optim::SGD>(model->parameters(), outer_options()));
       outer_pointers.push_back(outers.back().get());
+    }
+    for (const auto& fragment : fragments) {
+      if (!c.shared_outer) {
+        outers.push_back(std::make_unique<torch::optim::SGD>(fragment, outer_options()));
+        outer_pointers.push_back(outers.back().get());
+      }
     }
     DiLoCo diloco(world, fragments, inner, outer_pointers,
                   DiLoCoOptions().sync_every(kSyncEvery).fragment_sync_delay(c.delay)
@@ -199,11 +210,13 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(StreamingCase{1, 0, 0.0}, StreamingCase{2, 0, 0.0},
                       StreamingCase{2, 1, 0.0}, StreamingCase{2, 1, 0.5},
                       StreamingCase{2, 0, 1.0}, StreamingCase{3, 0, 0.5},
-                      StreamingCase{3, 1, 0.0}, StreamingCase{3, 1, 1.0}),
+                      StreamingCase{3, 1, 0.0}, StreamingCase{3, 1, 1.0},
+                      StreamingCase{2, 0, 0.0, true}, StreamingCase{3, 1, 0.5, true}),
     [](const ::testing::TestParamInfo<StreamingCase>& info) {
       return "F" + std::to_string(info.param.fragments) + "_delay" +
           std::to_string(info.param.delay) + "_alpha" +
-          std::to_string(static_cast<int>(info.param.alpha * 10));
+          std::to_string(static_cast<int>(info.param.alpha * 10)) +
+          (info.param.shared_outer ? "_shared_outer" : "");
     });
 
 class EveryStepIsDdp : public ::testing::TestWithParam<int> {};
@@ -282,6 +295,23 @@ TEST(DiLoCoErrors, OptionsThatBreakTheScheduleAreConfigErrors) {
   });
 }
 
+TEST(DiLoCoErrors, ReplicasThatDisagreeOnTheScheduleAllRaise) {
+  run_ranks(2, [](int rank) {
+    World world = init();
+    Mlp model = float64_mlp();
+    torch::optim::SGD inner(model->parameters(), 0.1);
+    torch::optim::SGD outer(model->parameters(), 0.7);
+    expect_error<ConfigError>(
+        [&] {
+          DiLoCo(world, {model->parameters()}, inner, {&outer},
+                 DiLoCoOptions().sync_every(rank == 0 ? 2 : 4));
+        },
+        {"DiLoCo: the replicas differ: rank 0 has sync_every 2", "rank 1 has sync_every 4"});
+    expect_error<UsageError>([&] { split(world, rank == 0 ? 0 : -1); },
+                             {"split: a color is 0 or more; rank 1 passed -1"});
+  });
+}
+
 TEST(ReplicaGroups, SplitsIntoReplicasAndTheRanksAcrossThem) {
   // 4 ranks as 2 replicas of 2: each collective runs among its group only.
   run_ranks(4, [](int rank) {
@@ -297,12 +327,14 @@ TEST(ReplicaGroups, SplitsIntoReplicasAndTheRanksAcrossThem) {
     auto across = torch::tensor({static_cast<double>(rank)}, torch::kDouble);
     groups.across.all_reduce(across);
     EXPECT_EQ(across.item<double>(), rank % 2 == 0 ? 0 + 2 : 1 + 3);
-    // A split of a split names its keys apart from its parent's siblings.
-    World alone = split(groups.replica, groups.replica.rank());
-    EXPECT_EQ(alone.size(), 1);
-    auto mine = torch::tensor({1.0}, torch::kDouble);
-    alone.all_reduce(mine);
-    EXPECT_EQ(mine.item<double>(), 1.0);
+    // Splits of a split, side by side: their keys stay apart from each
+    // other's and from their parent's siblings'.
+    World everyone = split(world, 0);
+    World pair = split(everyone, rank / 2);
+    ASSERT_EQ(pair.size(), 2);
+    auto mine = torch::tensor({static_cast<double>(rank)}, torch::kDouble);
+    pair.all_reduce(mine);
+    EXPECT_EQ(mine.item<double>(), rank < 2 ? 0 + 1 : 2 + 3);
     world.barrier();
     expect_error<ConfigError>([&] { replica_groups(world, 3); },
                               {"3 ranks per replica do not divide the world's 4 ranks"});

@@ -6,7 +6,9 @@
 
 #include <lockstep/diloco.h>
 
+#include <algorithm>
 #include <optional>
+#include <sstream>
 #include <utility>
 
 #include <ATen/ATen.h>
@@ -27,15 +29,35 @@ void broadcast_from_rank_zero(World& replicas, const std::vector<at::Tensor>& pa
   }
 }
 
-bool holds(const torch::optim::Optimizer& optimizer, const at::Tensor& parameter) {
-  for (const auto& group : optimizer.param_groups()) {
-    for (const auto& held : group.params()) {
-      if (held.is_same(parameter)) {
-        return true;
+bool among(const std::vector<at::Tensor>& tensors, const at::Tensor& tensor) {
+  return std::any_of(tensors.begin(), tensors.end(),
+                     [&](const at::Tensor& t) { return t.is_same(tensor); });
+}
+
+// Steps `optimizer` on `fragment` alone: an optimizer that holds other
+// parameters (one outer optimizer for every fragment) would step them too
+// with whatever gradient they hold (the inner one), so theirs are put
+// aside for the step.
+void step_only(torch::optim::Optimizer& optimizer, const std::vector<at::Tensor>& fragment) {
+  std::vector<std::pair<at::Tensor, at::Tensor>> set_aside;
+  for (auto& group : optimizer.param_groups()) {
+    for (auto& parameter : group.params()) {
+      if (parameter.grad().defined() && !among(fragment, parameter)) {
+        set_aside.emplace_back(parameter, parameter.grad());
+        parameter.mutable_grad().reset();
       }
     }
   }
-  return false;
+  optimizer.step();
+  for (auto& [parameter, grad] : set_aside) {
+    parameter.mutable_grad() = grad;
+  }
+}
+
+bool holds(const torch::optim::Optimizer& optimizer, const at::Tensor& parameter) {
+  const auto& groups = optimizer.param_groups();
+  return std::any_of(groups.begin(), groups.end(),
+                     [&](const auto& group) { return among(group.params(), parameter); });
 }
 
 } // namespace
@@ -105,7 +127,7 @@ struct DiLoCo::Impl {
           average.narrow(0, offset, parameter.numel()).view_as(parameter);
       offset += parameter.numel();
     }
-    outer[sent.fragment]->step();
+    step_only(*outer[sent.fragment], parameters);
     for (size_t i = 0; i < parameters.size(); ++i) {
       auto& parameter = parameters[i];
       saved[i].copy_(parameter);
@@ -161,6 +183,28 @@ DiLoCo::DiLoCo(World replicas, std::vector<std::vector<at::Tensor>> fragments,
                        "optimizer of fragment ", k, " does not hold its parameter of shape ",
                        parameter.sizes(), ".");
     }
+  }
+  // Every replica must run the same schedule over the same shapes, or an
+  // all-reduce would be skipped by some or sized differently: one
+  // exchange, then the same error on every rank.
+  std::ostringstream signature;
+  signature << "sync_every " << options.sync_every() << ", fragment_sync_delay "
+            << options.fragment_sync_delay() << ", fragment_update_alpha "
+            << options.fragment_update_alpha() << ", fragments of";
+  for (const auto& fragment : impl.fragments) {
+    int64_t values = 0;
+    for (const auto& parameter : fragment) {
+      values += parameter.numel();
+    }
+    signature << " " << values << " " << fragment.front().scalar_type();
+  }
+  auto signatures = impl.replicas.all_gather_strings(signature.str());
+  for (size_t r = 1; r < signatures.size(); ++r) {
+    LOCKSTEP_ENFORCE(signatures[r] == signatures[0], ConfigError, "DiLoCo: the replicas "
+                     "differ: rank 0 has ", signatures[0], "; rank ", r, " has ",
+                     signatures[r], ".");
+  }
+  for (const auto& fragment : impl.fragments) {
     broadcast_from_rank_zero(impl.replicas, fragment);
     std::vector<at::Tensor> saved;
     for (const auto& parameter : fragment) {
@@ -170,7 +214,17 @@ DiLoCo::DiLoCo(World replicas, std::vector<std::vector<at::Tensor>> fragments,
   }
 }
 
-DiLoCo::~DiLoCo() = default;
+DiLoCo::~DiLoCo() {
+  // A fragment sent in the last fragment_sync_delay steps is not applied,
+  // but its all-reduce is not left running either (the others wait for it).
+  if (impl_->pending) {
+    try {
+      impl_->pending->work.wait();
+    } catch (const std::exception&) {
+      // A peer that failed: nothing to apply, nothing to report.
+    }
+  }
+}
 
 void DiLoCo::step() {
   auto& impl = *impl_;
