@@ -219,6 +219,45 @@ INSTANTIATE_TEST_SUITE_P(
           (info.param.shared_outer ? "_shared_outer" : "");
     });
 
+TEST(DiLoCoAcrossReplicas, EachReplicaRunsDdpInside) {
+  // 4 ranks as 2 replicas of 2: DDP within a replica (each rank half of its
+  // replica's batch, averaged), Streaming DiLoCo across. Each replica then
+  // trains as one replica of the reference does on the whole batch.
+  const StreamingCase c{2, 1, 0.5};
+  run_ranks(4, [c](int rank) {
+    constexpr int kReplicasOfTwo = 2;
+    auto reference = streaming_reference(c, kReplicasOfTwo, kSyncEvery, kSteps);
+    World world = init();
+    auto groups = replica_groups(world, 2);
+    Mlp model = float64_mlp(3 + static_cast<uint64_t>(rank));
+    DDP<Mlp> ddp(model, groups.replica);
+    torch::optim::SGD inner(model->parameters(), inner_options());
+    auto fragments = fragments_of(model, c.fragments);
+    torch::optim::SGD outer(model->parameters(), outer_options());
+    DiLoCo diloco(groups.across, fragments, inner, {&outer},
+                  DiLoCoOptions().sync_every(kSyncEvery).fragment_sync_delay(c.delay)
+                      .fragment_update_alpha(c.alpha));
+    int replica = rank / 2;
+    int half = kPerReplica / 2;
+    for (int64_t step = 0; step < kSteps; ++step) {
+      auto [x, y] = replica_batch(step, kReplicasOfTwo, replica);
+      inner.zero_grad();
+      torch::mse_loss(ddp(x.narrow(0, half * (rank % 2), half)),
+                      y.narrow(0, half * (rank % 2), half))
+          .backward();
+      diloco.step();
+      auto parameters = model->parameters();
+      const auto& expected = reference[static_cast<size_t>(step)][static_cast<size_t>(replica)];
+      for (size_t i = 0; i < parameters.size(); ++i) {
+        ASSERT_TRUE(torch::allclose(parameters[i], expected[i], 0, kFloat64Tolerance))
+            << "parameter " << i << " after step " << step << ": largest difference "
+            << (parameters[i] - expected[i]).abs().max().item<double>();
+      }
+    }
+    ddp.check_replicas(); // the ranks of a replica, bit for bit
+  });
+}
+
 class EveryStepIsDdp : public ::testing::TestWithParam<int> {};
 INSTANTIATE_TEST_SUITE_P(WorldSize, EveryStepIsDdp, ::testing::Values(2, 3),
                          [](const auto& info) { return "world" + std::to_string(info.param); });
