@@ -18,16 +18,10 @@
 #include <lockstep/error.h>
 
 #include "common/wording.h"
+#include "reducer/model_state.h"
 
 namespace lockstep {
 namespace {
-
-void broadcast_from_rank_zero(World& replicas, const std::vector<at::Tensor>& parameters) {
-  at::NoGradGuard no_grad;
-  for (auto parameter : parameters) {
-    replicas.broadcast(parameter, 0, "the replicas' first parameters");
-  }
-}
 
 bool among(const std::vector<at::Tensor>& tensors, const at::Tensor& tensor) {
   return std::any_of(tensors.begin(), tensors.end(),
@@ -205,7 +199,7 @@ DiLoCo::DiLoCo(World replicas, std::vector<std::vector<at::Tensor>> fragments,
                      signatures[r], ".");
   }
   for (const auto& fragment : impl.fragments) {
-    broadcast_from_rank_zero(impl.replicas, fragment);
+    detail::broadcast_from(impl.replicas, 0, fragment, "the replicas' first parameters");
     std::vector<at::Tensor> saved;
     for (const auto& parameter : fragment) {
       saved.push_back(parameter.detach().clone());
@@ -259,7 +253,7 @@ LocalSGD::LocalSGD(World replicas, std::vector<at::Tensor> parameters,
       sync_every_(sync_every) {
   LOCKSTEP_ENFORCE(sync_every_ >= 1, ConfigError, "LocalSGD's sync_every must be 1 or more, "
                    "not ", sync_every_, ".");
-  broadcast_from_rank_zero(replicas_, parameters_);
+  detail::broadcast_from(replicas_, 0, parameters_, "the replicas' first parameters");
 }
 
 void LocalSGD::step() {
