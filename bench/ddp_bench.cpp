@@ -27,6 +27,14 @@
 // the host sent per timed iteration (the largest over hosts), not what
 // lockstep believes it sent. BENCH_DEVICE=cuda trains on cuda:LOCAL_RANK
 // (NCCL), each iteration timed up to the end of its device work.
+// BENCH_DILOCO=H:F:DELAY[:bf16|fp16] (mode lockstep): replicas of a host's
+// ranks (DDP within, over shared memory) and Streaming DiLoCo across them
+// with sync_every H, F fragments (consecutive parameters), that
+// fragment_sync_delay and wire type; H = 0 leaves the replicas apart (the
+// link unused: what a host computes alone beside the others). The mode
+// gets "_diloco_hH_fF_dD[_wire]", and the time reported is the mean per
+// inner step (a synchronisation is one step in H), over ITERATIONS, which
+// should be a multiple of H.
 
 #include <sys/resource.h>
 
@@ -42,7 +50,9 @@
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
+#include <lockstep/diloco.h>
 #include <lockstep/lockstep.h>
+#include <lockstep/replica_groups.h>
 
 #include "bench_models.h"
 
@@ -106,12 +116,21 @@ void run(World& world, ModelType model, const std::string& model_name,
   std::optional<DDP<ModelType>> ddp;
   bool alternate = mode == "detail_ab";
   bool joined = mode == "lockstep_join";
+  const char* diloco_setting = std::getenv("BENCH_DILOCO");
+  int64_t sync_every = 0, fragment_count = 1, delay = 0;
+  char wire_name[8] = {0};
+  std::optional<ReplicaGroups> groups;
+  if (diloco_setting != nullptr) {
+    std::sscanf(diloco_setting, "%ld:%ld:%ld:%7s", &sync_every, &fragment_count, &delay,
+                wire_name);
+    groups = replica_groups(world);
+  }
   if (mode == "lockstep" || joined || alternate) {
     DdpOptions options;
     if (const char* cap = std::getenv("BENCH_BUCKET_CAP_MB")) {
       options.bucket_cap_mb(std::atof(cap));
     }
-    ddp.emplace(model, world, options);
+    ddp.emplace(model, groups ? groups->replica : world, options);
   }
   // BENCH_HOOK=allreduce|fp16|bf16|powersgd:R: lockstep with that communication hook
   // (PowerSGD from the 3rd iteration, within the warm-up).
@@ -158,6 +177,28 @@ void run(World& world, ModelType model, const std::string& model_name,
   if (in_backward) {
     ddp->step_in_backward(*optimizer);
   }
+  std::vector<std::unique_ptr<torch::optim::SGD>> outer;
+  std::optional<DiLoCo> diloco;
+  if (sync_every > 0) {
+    auto parameters = model->parameters();
+    std::vector<std::vector<torch::Tensor>> fragments(static_cast<size_t>(fragment_count));
+    for (size_t i = 0; i < parameters.size(); ++i) {
+      fragments[i * fragments.size() / parameters.size()].push_back(parameters[i]);
+    }
+    std::vector<torch::optim::Optimizer*> outer_pointers;
+    for (const auto& fragment : fragments) {
+      outer.push_back(std::make_unique<torch::optim::SGD>(
+          fragment, torch::optim::SGDOptions(0.7).momentum(0.9).nesterov(true)));
+      outer_pointers.push_back(outer.back().get());
+    }
+    auto options = DiLoCoOptions().sync_every(sync_every).fragment_sync_delay(delay);
+    if (std::string(wire_name) == "bf16") {
+      options.wire_dtype(at::kBFloat16);
+    } else if (std::string(wire_name) == "fp16") {
+      options.wire_dtype(at::kHalf);
+    }
+    diloco.emplace(groups->across, fragments, *optimizer, outer_pointers, options);
+  }
   auto [x_host, y_host] = input_shape.empty()
                              ? lockstep::bench::deterministic_ids()
                              : lockstep::bench::deterministic_batch(input_shape);
@@ -191,7 +232,9 @@ void run(World& world, ModelType model, const std::string& model_name,
         world.all_reduce(param.mutable_grad(), ReduceOp::Average);
       }
     }
-    if (!in_backward) {
+    if (diloco) {
+      diloco->step();
+    } else if (!in_backward) {
       optimizer->step();
     }
     if (cuda) {
@@ -217,6 +260,16 @@ void run(World& world, ModelType model, const std::string& model_name,
   }
   if (in_backward) {
     reported += "_in_backward";
+  }
+  if (diloco_setting != nullptr) {
+    reported += "_diloco_h" + std::to_string(sync_every) + "_f" + std::to_string(fragment_count) +
+        "_d" + std::to_string(delay) + (wire_name[0] ? std::string("_") + wire_name : "");
+    // A synchronisation costs one step in H: the mean, not the median.
+    double total = 0;
+    for (double t : times) {
+      total += t;
+    }
+    times = {total / static_cast<double>(times.size())};
   }
   // The optimizer's state on this rank, as it saves (the largest over ranks).
   auto& stateful = zero ? dynamic_cast<lockstep::detail::ShardedOptimizer&>(*optimizer)

@@ -34,6 +34,16 @@ inline const char* const kUsage = R"(usage: mnist_train [flags]
   --uneven               rank r trains on (10 - r) tenths of its shard, inside ddp.join()
   --comm-hook HOOK       none | fp16 | bf16 | powersgd[:RANK] (PowerSGD from step 10, rank 1
                          unless given)
+  --diloco H             DiLoCo across replicas: each takes H steps of its own, then an outer
+                         SGD (Nesterov momentum 0.9) steps the average of their pseudo-gradients
+  --fragments F          Streaming DiLoCo: one of F layer groups synchronised every H / F steps
+  --fragment-sync-delay D  steps a fragment's all-reduce travels before it is applied (default 0)
+  --outer-lr X           the outer SGD's learning rate (default 0.7)
+  --diloco-wire TYPE     bf16 | fp16: the pseudo-gradients travel in 16 bits
+  --local-sgd H          LocalSGD: the replicas' parameters averaged every H steps
+  --replica-ranks N      ranks per replica under --diloco and --local-sgd, which run DDP among
+                         themselves every step (default 1: each rank a replica)
+  --loss-log FILE        rank 0 appends "step loss" after each step
   --help                 this text
 )";
 
@@ -62,6 +72,14 @@ struct Flags {
   bool uneven = false;
   std::string comm_hook = "none";
   int64_t powersgd_rank = 1;
+  int64_t diloco = 0;
+  int64_t fragments = 1;
+  int64_t fragment_sync_delay = 0;
+  double outer_lr = 0.7;
+  std::string diloco_wire;
+  int64_t local_sgd = 0;
+  int64_t replica_ranks = 1;
+  std::string loss_log;
   bool help = false;
 };
 
@@ -134,6 +152,25 @@ inline Flags parse_flags(int argc, char** argv) {
           flags.powersgd_rank < 1 || (flags.comm_hook != "powersgd" && hook.find(':') != std::string::npos)) {
         throw FlagError("--comm-hook takes none, fp16, bf16 or powersgd[:RANK], not '" + hook + "'");
       }
+    } else if (arg == "--diloco") {
+      flags.diloco = number();
+    } else if (arg == "--fragments") {
+      flags.fragments = std::max<int64_t>(1, number());
+    } else if (arg == "--fragment-sync-delay") {
+      flags.fragment_sync_delay = number();
+    } else if (arg == "--outer-lr") {
+      flags.outer_lr = std::atof(value().c_str());
+    } else if (arg == "--diloco-wire") {
+      flags.diloco_wire = value();
+      if (flags.diloco_wire != "bf16" && flags.diloco_wire != "fp16") {
+        throw FlagError("--diloco-wire takes bf16 or fp16, not '" + flags.diloco_wire + "'");
+      }
+    } else if (arg == "--local-sgd") {
+      flags.local_sgd = number();
+    } else if (arg == "--replica-ranks") {
+      flags.replica_ranks = std::max<int64_t>(1, number());
+    } else if (arg == "--loss-log") {
+      flags.loss_log = value();
     } else if (arg == "--help" || arg == "-h") {
       flags.help = true;
     } else {
@@ -143,6 +180,15 @@ inline Flags parse_flags(int argc, char** argv) {
   if (flags.uneven && flags.sync_bn) {
     throw FlagError("--uneven and --sync-bn do not go together: SyncBatchNorm communicates in "
                     "every forward, which a rank that ran out of batches cannot run");
+  }
+  if (flags.diloco > 0 && flags.local_sgd > 0) {
+    throw FlagError("--diloco and --local-sgd are two ways of synchronising less often: pick one");
+  }
+  if ((flags.diloco > 0 || flags.local_sgd > 0) &&
+      (flags.zero || flags.step_in_backward || flags.uneven || flags.sync_bn ||
+       !flags.checkpoint_dir.empty())) {
+    throw FlagError("--diloco and --local-sgd are not combined with --zero, --step-in-backward, "
+                    "--uneven, --sync-bn or --checkpoint-dir in this example");
   }
   if (flags.lr == 0) {
     flags.lr = flags.optimizer == "adam" ? 0.001 : 0.02;

@@ -22,6 +22,9 @@
 
 #include <lockstep/lockstep.h>
 
+#include <lockstep/replica_groups.h>
+
+#include "across_replicas.h"
 #include "flags.h"
 #include "net.h"
 
@@ -141,7 +144,13 @@ int run(const mnist::Flags& flags) {
   if (flags.sync_bn) {
     lockstep::convert_sync_batchnorm(*model, world);
   }
-  lockstep::DDP<Net> ddp(model, world);
+  // Under --diloco and --local-sgd, DDP runs within a replica only.
+  bool replicated = flags.diloco > 0 || flags.local_sgd > 0;
+  std::optional<lockstep::ReplicaGroups> groups;
+  if (replicated) {
+    groups = lockstep::replica_groups(world, static_cast<int>(flags.replica_ranks));
+  }
+  lockstep::DDP<Net> ddp(model, groups ? groups->replica : world);
   std::optional<lockstep::PowerSGD> power_sgd;
   if (flags.comm_hook == "fp16") {
     ddp.register_comm_hook(lockstep::hooks::fp16_compress());
@@ -157,6 +166,14 @@ int run(const mnist::Flags& flags) {
   auto& optimizer = *owned_optimizer;
   if (flags.step_in_backward) {
     ddp.step_in_backward(optimizer);
+  }
+  std::optional<mnist::AcrossReplicas> across;
+  if (replicated) {
+    across.emplace(flags, groups->across, *model, optimizer);
+  }
+  std::ofstream loss_log;
+  if (lead && !flags.loss_log.empty()) {
+    loss_log.open(flags.loss_log, std::ios::app);
   }
   lockstep::CheckpointItems saved;
   saved.module("model", *model).optimizer("optimizer", optimizer);
@@ -180,6 +197,7 @@ int run(const mnist::Flags& flags) {
   bool terminal = lead && ::isatty(STDOUT_FILENO);
   auto start = Clock::now();
   int64_t images = 0;
+  int64_t steps_taken = 0;
   double accuracy = 0;
   // Each rank its shard of a new shuffle per epoch, as PyTorch's
   // DistributedSampler draws it; set_epoch reaches the loader's copy.
@@ -215,9 +233,14 @@ int run(const mnist::Flags& flags) {
       optimizer.zero_grad();
       auto loss = torch::nll_loss(ddp(batch.data), batch.target);
       loss.backward();
-      if (!flags.step_in_backward) {
+      if (across) {
+        across->step();
+      } else if (!flags.step_in_backward) {
         lockstep::TimelineSpan span("optimizer step");
         optimizer.step();
+      }
+      if (loss_log.is_open()) {
+        loss_log << ++steps_taken << " " << loss.item<double>() << "\n";
       }
       images += batch.data.size(0) * world.size();
       epoch_images += batch.data.size(0) * world.size();
@@ -243,7 +266,15 @@ int run(const mnist::Flags& flags) {
     // around it, so every rank takes rank 0's first (nothing without
     // BatchNorm).
     ddp.sync_buffers();
-    accuracy = test_accuracy(world, model, flags.data);
+    {
+      // Replicas that synchronise every H steps differ between two
+      // synchronisations: their mean is scored.
+      std::optional<mnist::AveragedParameters> averaged;
+      if (replicated) {
+        averaged.emplace(world, *model);
+      }
+      accuracy = test_accuracy(world, model, flags.data);
+    }
     if (lead) {
       std::printf("epoch %lld: test accuracy %.2f%%\n", static_cast<long long>(epoch),
                   100.0 * accuracy);

@@ -9,7 +9,11 @@
 // all-reduce running in the background for fragment_sync_delay inner steps:
 // Streaming DiLoCo (arXiv 2501.18512). The schedule and the arithmetic are
 // torchft's (torchft/local_sgd.py), so that a program moved from it gets the
-// same numbers. See docs/diloco.md.
+// same numbers. With one rank per replica, a lockstep::FaultTolerance built
+// over the DiLoCo (fault_tolerance.h) makes each synchronisation a step that
+// the replicas agree on: a replica that dies costs at most the one in
+// flight, and a restarted one rejoins with the live state. See
+// docs/diloco.md.
 //
 //   auto groups = lockstep::replica_groups(world);
 //   lockstep::DDP<Net> ddp(model, groups.replica);          // inside a replica
@@ -26,6 +30,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -52,6 +57,10 @@ struct DiLoCoOptions {
   /// the local ones become global + alpha x (local kept aside - global):
   /// 0 takes the global parameters, 1 keeps the local ones.
   TORCH_ARG(double, fragment_update_alpha) = 0.0;
+  /// The type the pseudo-gradients travel in: at::kBFloat16 or at::kHalf
+  /// halve the bytes of float32 ones; they are summed in float32 and
+  /// rounded once, as the 16-bit hooks do. Unset: the parameters' type.
+  TORCH_ARG(std::optional<at::ScalarType>, wire_dtype) = std::nullopt;
 };
 
 class DiLoCo {
@@ -71,7 +80,10 @@ class DiLoCo {
 
   /// In place of inner.step(): the inner step, then, when due, sends the
   /// next fragment's pseudo-gradient or applies it. Collective over the
-  /// replicas at those steps.
+  /// replicas at those steps. Under fault tolerance it begins a step where
+  /// it sends and commits it where it applies; on a replica restarted
+  /// alone, the first call takes no inner step but receives the live state
+  /// at the others' next synchronisation.
   void step();
   /// Inner steps taken.
   int64_t local_step() const;
@@ -81,7 +93,8 @@ class DiLoCo {
   struct Impl;
 
  private:
-  std::unique_ptr<Impl> impl_;
+  friend class FaultTolerance;
+  std::shared_ptr<Impl> impl_;
 };
 
 /// Averages the parameters across the replicas every sync_every inner

@@ -38,6 +38,11 @@ class Optimizer;
 
 namespace lockstep {
 
+class DiLoCo;
+namespace detail {
+class Guarded;
+} // namespace detail
+
 struct FaultToleranceOptions {
   /// The fewest ranks that train on. Below it, the survivors wait (at most
   /// `timeout`) for ranks to come back, then raise FaultToleranceError.
@@ -94,6 +99,13 @@ class FaultTolerance {
   FaultTolerance(std::shared_ptr<detail::Reducer> reducer,
                  torch::optim::Optimizer& optimizer,
                  FaultToleranceOptions options);
+  /// DiLoCo across replicas of one rank each (its world is the job's): a
+  /// step is a fragment's synchronisation, which diloco.step() begins and
+  /// commits itself; a replica that fails costs at most the one in flight,
+  /// and a restarted one receives the parameters, the global ones, the
+  /// inner and outer optimizers' states and the local step (diloco.h).
+  FaultTolerance(DiLoCo& diloco, torch::optim::Optimizer& inner,
+                 FaultToleranceOptions options = {});
   ~FaultTolerance();
   FaultTolerance(const FaultTolerance&) = delete;
   FaultTolerance& operator=(const FaultTolerance&) = delete;
@@ -131,6 +143,8 @@ class FaultTolerance {
   struct Impl;
 
  private:
+  FaultTolerance(std::shared_ptr<detail::Guarded> guarded, torch::optim::Optimizer& optimizer,
+                 FaultToleranceOptions options);
   std::unique_ptr<Impl> impl_;
 };
 

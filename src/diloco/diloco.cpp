@@ -1,8 +1,10 @@
 // DiLoCo's schedule and arithmetic (diloco.h), as torchft's: fragment
 // syncs() % F is sent fragment_sync_delay steps before each multiple of
 // H / F and applied at it. Its pseudo-gradient (the saved global parameters
-// minus the local ones) travels as one flat tensor of the parameters' type,
-// summed across the replicas and divided by their number once.
+// minus the local ones) travels as one flat tensor (of the parameters' type,
+// or DiLoCoOptions::wire_dtype), summed across the replicas, with each
+// replica's share of the divisor as its last value: 1, or 0 for a replica
+// that has just received the live state (fault_tolerance.cpp here).
 
 #include <lockstep/diloco.h>
 
@@ -18,7 +20,9 @@
 #include <lockstep/error.h>
 
 #include "common/wording.h"
+#include "diloco/diloco_impl.h"
 #include "reducer/model_state.h"
+#include "world/epoch_world.h"
 
 namespace lockstep {
 namespace {
@@ -48,6 +52,18 @@ void step_only(torch::optim::Optimizer& optimizer, const std::vector<at::Tensor>
   }
 }
 
+// Every replica must run the same schedule over the same shapes, or an
+// all-reduce would be skipped by some or sized differently: one exchange,
+// then the same error on every rank.
+void check_alike(World& replicas, const std::string& signature) {
+  auto signatures = replicas.all_gather_strings(signature);
+  for (size_t r = 1; r < signatures.size(); ++r) {
+    LOCKSTEP_ENFORCE(signatures[r] == signatures[0], ConfigError, "DiLoCo: the replicas "
+                     "differ: rank 0 has ", signatures[0], "; rank ", r, " has ",
+                     signatures[r], ".");
+  }
+}
+
 bool holds(const torch::optim::Optimizer& optimizer, const at::Tensor& parameter) {
   const auto& groups = optimizer.param_groups();
   return std::any_of(groups.begin(), groups.end(),
@@ -56,88 +72,120 @@ bool holds(const torch::optim::Optimizer& optimizer, const at::Tensor& parameter
 
 } // namespace
 
-struct DiLoCo::Impl {
-  World replicas;
-  std::vector<std::vector<at::Tensor>> fragments;
-  torch::optim::Optimizer& inner;
-  std::vector<torch::optim::Optimizer*> outer; // one per fragment
-  DiLoCoOptions options;
-  std::vector<std::vector<at::Tensor>> global; // saved, per fragment
-  int64_t local_step = 0;
-  int64_t syncs = 0;
-  struct Pending {
-    size_t fragment = 0;
-    at::Tensor flat;
-    PendingCollective work;
-  };
-  std::optional<Pending> pending;
-
-  Impl(World replicas_in, std::vector<std::vector<at::Tensor>> fragments_in,
-       torch::optim::Optimizer& inner_in, std::vector<torch::optim::Optimizer*> outer_in,
-       DiLoCoOptions options_in)
-      : replicas(std::move(replicas_in)),
-        fragments(std::move(fragments_in)),
-        inner(inner_in),
-        outer(std::move(outer_in)),
-        options(options_in) {}
-
-  int64_t interval() const {
-    return options.sync_every() / static_cast<int64_t>(fragments.size());
-  }
-
-  void send(size_t fragment) {
-    at::NoGradGuard no_grad;
-    std::vector<at::Tensor> pieces;
-    for (size_t i = 0; i < fragments[fragment].size(); ++i) {
-      pieces.push_back((global[fragment][i] - fragments[fragment][i]).reshape(-1));
+template <typename Collective>
+void DiLoCo::Impl::tolerated(Collective&& collective) {
+  // Under fault tolerance a peer's failure ends the synchronisation
+  // quietly: commit() then drops it on every replica.
+  try {
+    collective();
+  } catch (const CollectiveError& e) {
+    if (!tolerating) {
+      throw;
     }
-    auto flat = at::cat(pieces);
-    auto work = replicas.all_reduce_async(
-        flat, ReduceOp::Sum,
-        detail::str("DiLoCo pseudo-gradient of fragment ", fragment, " (", flat.numel(),
-                    " values)"));
-    pending = Pending{fragment, flat, std::move(work)};
+    failure = e.what();
+  } catch (const TimeoutError& e) {
+    if (!tolerating) {
+      throw;
+    }
+    failure = e.what();
   }
+}
 
-  void apply() {
-    TORCH_INTERNAL_ASSERT(pending.has_value(), "a fragment is applied after it was sent");
-    auto sent = std::move(*pending);
-    pending.reset();
-    sent.work.wait();
-    at::NoGradGuard no_grad;
-    auto average = sent.flat.div_(replicas.size());
-    auto& parameters = fragments[sent.fragment];
-    auto& saved = global[sent.fragment];
-    double alpha = options.fragment_update_alpha();
-    std::vector<at::Tensor> local;
+void DiLoCo::Impl::begin_sync(bool participates) {
+  if (fault_tolerance != nullptr) {
+    // A restarted replica receives the live state here, local step and
+    // syncs included: it sends what the others send at this step.
+    fault_tolerance->begin_step();
+    joined = true;
+    TORCH_INTERNAL_ASSERT(send_due(), "the replicas synchronise at the same local steps");
+  }
+  auto fragment = static_cast<size_t>(syncs % static_cast<int64_t>(fragments.size()));
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> pieces;
+  for (size_t i = 0; i < fragments[fragment].size(); ++i) {
+    pieces.push_back((global[fragment][i] - fragments[fragment][i]).reshape(-1));
+  }
+  const auto& first = fragments[fragment].front();
+  pieces.push_back(at::full({1}, participates ? 1.0 : 0.0, first.options()));
+  auto flat = at::cat(pieces);
+  if (!participates) {
+    flat.zero_();
+  }
+  if (options.wire_dtype()) {
+    flat = flat.to(*options.wire_dtype());
+  }
+  ++sent;
+  pending = Pending{fragment, flat, std::nullopt};
+  tolerated([&] {
+    pending->work = replicas.all_reduce_async(
+        flat, ReduceOp::Sum,
+        detail::str("DiLoCo pseudo-gradient of fragment ", fragment, " (", flat.numel() - 1,
+                    " values)"));
+  });
+}
+
+void DiLoCo::Impl::end_sync() {
+  TORCH_INTERNAL_ASSERT(pending.has_value(), "a fragment is applied after it was sent");
+  auto sent_fragment = std::move(*pending);
+  pending.reset();
+  if (sent_fragment.work) {
+    tolerated([&] { sent_fragment.work->wait(); });
+  }
+  bool counts = fault_tolerance == nullptr || fault_tolerance->commit();
+  at::NoGradGuard no_grad;
+  auto& parameters = fragments[sent_fragment.fragment];
+  auto& saved = global[sent_fragment.fragment];
+  double alpha = options.fragment_update_alpha();
+  std::vector<at::Tensor> local;
+  for (auto& parameter : parameters) {
+    if (alpha > 0) {
+      local.push_back(parameter.clone());
+    }
+  }
+  // torchft's: the fragment goes back to its global parameters, which the
+  // outer optimizer steps only for a synchronisation that counts; the
+  // local ones are merged in either way.
+  for (size_t i = 0; i < parameters.size(); ++i) {
+    parameters[i].copy_(saved[i]);
+  }
+  if (counts) {
+    auto sum = sent_fragment.flat.to(parameters.front().scalar_type());
+    int64_t values = sum.numel() - 1;
+    auto average = sum.narrow(0, 0, values).div_(sum[values]);
     int64_t offset = 0;
-    for (size_t i = 0; i < parameters.size(); ++i) {
-      auto& parameter = parameters[i];
-      if (alpha > 0) {
-        local.push_back(parameter.clone());
-      }
-      parameter.copy_(saved[i]);
+    for (auto& parameter : parameters) {
       parameter.mutable_grad() =
           average.narrow(0, offset, parameter.numel()).view_as(parameter);
       offset += parameter.numel();
     }
-    step_only(*outer[sent.fragment], parameters);
+    step_only(*outer[sent_fragment.fragment], parameters);
     for (size_t i = 0; i < parameters.size(); ++i) {
-      auto& parameter = parameters[i];
-      saved[i].copy_(parameter);
-      if (alpha > 0) {
-        parameter.lerp_(local[i], alpha);
-      }
-      parameter.mutable_grad().reset();
+      saved[i].copy_(parameters[i]);
+      parameters[i].mutable_grad().reset();
     }
     ++syncs;
   }
-};
+  if (alpha > 0) {
+    for (size_t i = 0; i < parameters.size(); ++i) {
+      parameters[i].lerp_(local[i], alpha);
+    }
+  }
+}
+
+std::vector<torch::optim::Optimizer*> DiLoCo::Impl::distinct_outer() const {
+  std::vector<torch::optim::Optimizer*> distinct;
+  for (auto* optimizer : outer) {
+    if (std::find(distinct.begin(), distinct.end(), optimizer) == distinct.end()) {
+      distinct.push_back(optimizer);
+    }
+  }
+  return distinct;
+}
 
 DiLoCo::DiLoCo(World replicas, std::vector<std::vector<at::Tensor>> fragments,
                torch::optim::Optimizer& inner, std::vector<torch::optim::Optimizer*> outer,
                DiLoCoOptions options)
-    : impl_(std::make_unique<Impl>(std::move(replicas), std::move(fragments), inner,
+    : impl_(std::make_shared<Impl>(std::move(replicas), std::move(fragments), inner,
                                    std::move(outer), options)) {
   auto& impl = *impl_;
   auto count = static_cast<int64_t>(impl.fragments.size());
@@ -155,6 +203,11 @@ DiLoCo::DiLoCo(World replicas, std::vector<std::vector<at::Tensor>> fragments,
   LOCKSTEP_ENFORCE(options.fragment_update_alpha() >= 0 && options.fragment_update_alpha() <= 1,
                    ConfigError, "DiLoCoOptions::fragment_update_alpha must be within [0, 1], "
                    "not ", options.fragment_update_alpha(), ".");
+  LOCKSTEP_ENFORCE(!options.wire_dtype() || *options.wire_dtype() == at::kBFloat16 ||
+                       *options.wire_dtype() == at::kHalf ||
+                       at::isFloatingType(*options.wire_dtype()),
+                   ConfigError, "DiLoCoOptions::wire_dtype must be a floating type (at::kBFloat16 "
+                   "or at::kHalf to halve the bytes), not ", *options.wire_dtype(), ".");
   LOCKSTEP_ENFORCE(impl.outer.size() == 1 || static_cast<int64_t>(impl.outer.size()) == count,
                    ConfigError, "DiLoCo takes one outer optimizer per fragment (", count,
                    ") or one for all, not ", impl.outer.size(), ".");
@@ -178,13 +231,12 @@ DiLoCo::DiLoCo(World replicas, std::vector<std::vector<at::Tensor>> fragments,
                        parameter.sizes(), ".");
     }
   }
-  // Every replica must run the same schedule over the same shapes, or an
-  // all-reduce would be skipped by some or sized differently: one
-  // exchange, then the same error on every rank.
   std::ostringstream signature;
   signature << "sync_every " << options.sync_every() << ", fragment_sync_delay "
             << options.fragment_sync_delay() << ", fragment_update_alpha "
-            << options.fragment_update_alpha() << ", fragments of";
+            << options.fragment_update_alpha() << ", wire_dtype "
+            << (options.wire_dtype() ? c10::toString(*options.wire_dtype()) : "as the parameters")
+            << ", fragments of";
   for (const auto& fragment : impl.fragments) {
     int64_t values = 0;
     for (const auto& parameter : fragment) {
@@ -192,14 +244,17 @@ DiLoCo::DiLoCo(World replicas, std::vector<std::vector<at::Tensor>> fragments,
     }
     signature << " " << values << " " << fragment.front().scalar_type();
   }
-  auto signatures = impl.replicas.all_gather_strings(signature.str());
-  for (size_t r = 1; r < signatures.size(); ++r) {
-    LOCKSTEP_ENFORCE(signatures[r] == signatures[0], ConfigError, "DiLoCo: the replicas "
-                     "differ: rank 0 has ", signatures[0], "; rank ", r, " has ",
-                     signatures[r], ".");
+  // Restarted alone (lockstep-run --restart rank), a replica calls no
+  // collective: the live state comes with its first step, through fault
+  // tolerance.
+  impl.joined = !detail::WorldAccess::standby(impl.replicas);
+  if (impl.joined) {
+    check_alike(impl.replicas, signature.str());
   }
   for (const auto& fragment : impl.fragments) {
-    detail::broadcast_from(impl.replicas, 0, fragment, "the replicas' first parameters");
+    if (impl.joined) {
+      detail::broadcast_from(impl.replicas, 0, fragment, "the replicas' first parameters");
+    }
     std::vector<at::Tensor> saved;
     for (const auto& parameter : fragment) {
       saved.push_back(parameter.detach().clone());
@@ -207,13 +262,12 @@ DiLoCo::DiLoCo(World replicas, std::vector<std::vector<at::Tensor>> fragments,
     impl.global.push_back(std::move(saved));
   }
 }
-
 DiLoCo::~DiLoCo() {
   // A fragment sent in the last fragment_sync_delay steps is not applied,
   // but its all-reduce is not left running either (the others wait for it).
-  if (impl_->pending) {
+  if (impl_->pending && impl_->pending->work) {
     try {
-      impl_->pending->work.wait();
+      impl_->pending->work->wait();
     } catch (const std::exception&) {
       // A peer that failed: nothing to apply, nothing to report.
     }
@@ -222,18 +276,21 @@ DiLoCo::~DiLoCo() {
 
 void DiLoCo::step() {
   auto& impl = *impl_;
-  impl.inner.step();
-  ++impl.local_step;
-  auto next = static_cast<size_t>(impl.syncs % static_cast<int64_t>(impl.fragments.size()));
-  int64_t delay = impl.options.fragment_sync_delay();
-  if (delay > 0 && (impl.local_step + delay) % impl.interval() == 0) {
-    impl.send(next);
+  LOCKSTEP_ENFORCE(impl.joined || impl.fault_tolerance != nullptr, UsageError,
+                   "this DiLoCo replica was restarted alone (lockstep-run --restart rank) and "
+                   "can only rejoin through a lockstep::FaultTolerance built over it.");
+  // A replica restarted alone takes no step of its own: its first receives
+  // the live state at the others' next synchronisation, and sends with them.
+  bool joining = !impl.joined;
+  if (!joining) {
+    impl.inner.step();
+    ++impl.local_step;
+  }
+  if (joining || impl.send_due()) {
+    impl.begin_sync(/*participates=*/!joining);
   }
   if (impl.local_step % impl.interval() == 0) {
-    if (delay == 0) {
-      impl.send(next);
-    }
-    impl.apply();
+    impl.end_sync();
   }
 }
 
@@ -243,30 +300,6 @@ int64_t DiLoCo::local_step() const {
 
 int64_t DiLoCo::syncs() const {
   return impl_->syncs;
-}
-
-LocalSGD::LocalSGD(World replicas, std::vector<at::Tensor> parameters,
-                   torch::optim::Optimizer& inner, int64_t sync_every)
-    : replicas_(std::move(replicas)),
-      parameters_(std::move(parameters)),
-      inner_(inner),
-      sync_every_(sync_every) {
-  LOCKSTEP_ENFORCE(sync_every_ >= 1, ConfigError, "LocalSGD's sync_every must be 1 or more, "
-                   "not ", sync_every_, ".");
-  detail::broadcast_from(replicas_, 0, parameters_, "the replicas' first parameters");
-}
-
-void LocalSGD::step() {
-  inner_.step();
-  if (++local_step_ % sync_every_ != 0) {
-    return;
-  }
-  at::NoGradGuard no_grad;
-  for (auto& parameter : parameters_) {
-    auto sum = parameter.detach().clone();
-    replicas_.all_reduce(sum, ReduceOp::Sum);
-    parameter.copy_(sum.div_(replicas_.size()));
-  }
 }
 
 } // namespace lockstep

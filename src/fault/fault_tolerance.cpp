@@ -49,7 +49,12 @@ Signer signer_of(const World& base) {
 FaultTolerance::FaultTolerance(std::shared_ptr<detail::Reducer> reducer,
                                torch::optim::Optimizer& optimizer,
                                FaultToleranceOptions options)
-    : impl_(std::make_unique<Impl>(std::move(reducer), optimizer, options)) {
+    : FaultTolerance(detail::guard(std::move(reducer)), optimizer, options) {}
+
+FaultTolerance::FaultTolerance(std::shared_ptr<detail::Guarded> guarded,
+                               torch::optim::Optimizer& optimizer,
+                               FaultToleranceOptions options)
+    : impl_(std::make_unique<Impl>(std::move(guarded), optimizer, options)) {
   auto& impl = *impl_;
   LOCKSTEP_ENFORCE(options.min_world_size() >= 1, ConfigError,
                    "FaultToleranceOptions::min_world_size must be 1 or more, not ",
@@ -71,8 +76,8 @@ FaultTolerance::FaultTolerance(std::shared_ptr<detail::Reducer> reducer,
       "the job's store could forge the decisions the ranks act on (who trains, which steps "
       "count, whose state a rejoining rank loads). Set one, or "
       "FaultToleranceOptions::trusted_network(true) on a network you trust.");
-  impl.reducer->tolerate_failures();
-  impl.buffers = impl.reducer->replica_tensors(/*buffers_only=*/true);
+  impl.guarded->tolerate_failures();
+  impl.buffers = impl.guarded->replica_tensors(/*buffers_only=*/true);
   impl.me.replica = WorldAccess::replica(impl.base);
   impl.me.incarnation = WorldAccess::incarnation(impl.base);
   impl.me.identity = detail::this_process();
@@ -158,7 +163,7 @@ void FaultTolerance::begin_step() {
   for (const auto& buffer : impl.buffers) {
     impl.buffers_at_begin.push_back(buffer.clone());
   }
-  impl.backwards_at_begin = impl.reducer->synchronised_backwards();
+  impl.synchronisations_at_begin = impl.guarded->synchronisations();
   impl.in_step = true;
   if (impl.watch) {
     impl.progress(Phase::InStep);
@@ -189,9 +194,9 @@ bool FaultTolerance::Impl::commit(at::Tensor* sums) {
   LOCKSTEP_ENFORCE(impl.in_step, UsageError, "commit() was called without begin_step(): "
                    "every step starts with ft.begin_step().");
   impl.in_step = false;
-  std::string failure = impl.reducer->take_failure();
+  std::string failure = impl.guarded->take_failure();
   LOCKSTEP_ENFORCE(
-      !failure.empty() || impl.reducer->synchronised_backwards() > impl.backwards_at_begin,
+      !failure.empty() || impl.guarded->synchronisations() > impl.synchronisations_at_begin,
       UsageError, "commit() found no synchronised backward through the wrapper since "
       "begin_step(): the step's gradients were not averaged, so there is nothing to commit. "
       "Run the loss's backward() between begin_step() and commit(), outside no_sync().");

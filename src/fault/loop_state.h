@@ -16,6 +16,7 @@
 #include <lockstep/fault_tolerance.h>
 
 #include "fault/agreement.h"
+#include "fault/guarded.h"
 #include "fault/membership.h"
 #include "world/liveness.h"
 
@@ -48,7 +49,7 @@ struct Watch {
 
 struct FaultTolerance::Impl {
   using Clock = std::chrono::steady_clock;
-  std::shared_ptr<detail::Reducer> reducer;
+  std::shared_ptr<detail::Guarded> guarded;
   torch::optim::Optimizer& optimizer;
   FaultToleranceOptions options;
   World base;  // init()'s: the job's store
@@ -66,7 +67,7 @@ struct FaultTolerance::Impl {
   bool holds_state = true;
   bool need_reform = false;
   bool in_step = false;
-  int64_t backwards_at_begin = 0;
+  int64_t synchronisations_at_begin = 0;
   std::vector<at::Tensor> buffers;
   std::vector<at::Tensor> buffers_at_begin;
   struct UserState {
@@ -77,13 +78,13 @@ struct FaultTolerance::Impl {
   std::vector<UserState> user_states;
   FaultToleranceStats stats;
 
-  Impl(std::shared_ptr<detail::Reducer> reducer_in,
+  Impl(std::shared_ptr<detail::Guarded> guarded_in,
        torch::optim::Optimizer& optimizer_in,
        FaultToleranceOptions options_in)
-      : reducer(std::move(reducer_in)),
+      : guarded(std::move(guarded_in)),
         optimizer(optimizer_in),
         options(options_in),
-        base(reducer->world()),
+        base(guarded->world()),
         world(base) {}
   // Here, not in ~FaultTolerance: a constructor that throws after the
   // callback is set must not leave the liveness thread calling into freed

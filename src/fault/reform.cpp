@@ -67,7 +67,7 @@ void FaultTolerance::Impl::reform() {
       auto next = form(target, decided);
       watch_world(target, decided, next);
       bring_up_to_date(next, decided, target);
-      reducer->adopt_world(next);
+      guarded->adopt_world(next);
       world = next;
     } catch (const FaultToleranceError&) {
       throw;
@@ -77,7 +77,7 @@ void FaultTolerance::Impl::reform() {
       auto why = detail::give_up(*membership, *liveness, target,
                                  detail::first_line(detail::describe_exception(e)));
       say(detail::str("the world of epoch ", target, " did not form: ", why));
-      reducer->take_failure();
+      guarded->take_failure();
       LOCKSTEP_ENFORCE(Clock::now() < deadline, FaultToleranceError, "rank ", me.replica,
                        ": no world formed within FaultToleranceOptions::timeout (",
                        detail::seconds(options.timeout()), "); the last attempt failed: ",
@@ -175,7 +175,7 @@ void FaultTolerance::Impl::bring_up_to_date(World& next, const std::vector<Membe
   }
   std::string what = detail::str("the live state of rank ", sender.replica, " at step ",
                                  sender.step);
-  auto tensors = reducer->replica_tensors();
+  auto tensors = guarded->replica_tensors(/*buffers_only=*/false);
   auto flats = detail::broadcast_flat(next, source, tensors, what);
   std::string optimizer_state = next.rank() == source ? detail::optimizer_bytes(optimizer) : "";
   detail::broadcast_bytes(next, source, optimizer_state, "the optimizer's state of " + what);

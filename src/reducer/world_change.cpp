@@ -3,6 +3,7 @@
 // survivors form. The reducer learns only "this iteration did not commit";
 // who failed and how the world re-forms is world/'s and fault/'s.
 
+#include "fault/guarded.h"
 #include "reducer/reducer_state.h"
 
 namespace lockstep::detail {
@@ -71,6 +72,43 @@ std::vector<at::Tensor> Reducer::replica_tensors(bool buffers_only) const {
     tensors.push_back(entry.tensor);
   }
   return tensors;
+}
+
+} // namespace lockstep::detail
+
+namespace lockstep::detail {
+namespace {
+
+class GuardedReducer final : public Guarded {
+ public:
+  explicit GuardedReducer(std::shared_ptr<Reducer> reducer) : reducer_(std::move(reducer)) {}
+  World world() const override {
+    return reducer_->world();
+  }
+  void tolerate_failures() override {
+    reducer_->tolerate_failures();
+  }
+  std::string take_failure() override {
+    return reducer_->take_failure();
+  }
+  int64_t synchronisations() const override {
+    return reducer_->synchronised_backwards();
+  }
+  void adopt_world(World world) override {
+    reducer_->adopt_world(std::move(world));
+  }
+  std::vector<at::Tensor> replica_tensors(bool buffers_only) const override {
+    return reducer_->replica_tensors(buffers_only);
+  }
+
+ private:
+  std::shared_ptr<Reducer> reducer_;
+};
+
+} // namespace
+
+std::shared_ptr<Guarded> guard(std::shared_ptr<Reducer> reducer) {
+  return std::make_shared<GuardedReducer>(std::move(reducer));
 }
 
 } // namespace lockstep::detail
