@@ -20,10 +20,11 @@ for line in open(results).readlines()[1:]:
     if setting not in order:
         order.append(setting)
     ms[(setting, mode)] = None if value == "failed" else float(value)
+# Bytes per step do not depend on the link: by layout (2x1, 2x2) and mode.
 wire = {}
 for line in open(wire_file):
     setting, mode, count = line.strip().split(",")
-    wire[(setting, mode)] = float(count)
+    wire[(setting.split()[-1], mode)] = float(count)
 alone = ms.get(("alone", "single"))
 
 
@@ -68,7 +69,7 @@ for setting in order:
             lines.append(f"| {label(mode)} | failed | | | | |")
             continue
         ratio = lambda other: f"{value / other:.2f}" if other else ""  # noqa: E731
-        sent = wire.get((s, mode))
+        sent = wire.get((s.split()[-1], mode))
         lines.append(
             f"| {label(mode)} | {value:.1f} | {ratio(base)} | {ratio(alone)} | "
             f"{ratio(torch)} | {sent / 1e6:.2f} |" if sent is not None else
@@ -95,9 +96,9 @@ if runs:
               "`mnist_train`, batch 64 per rank, SGD (lr 0.02, momentum 0.9) inside: the "
               "same samples for every row. The test accuracy is of the replicas' mean. "
               f"Rank 0's loss is in [{os.path.basename(png)}]({os.path.basename(png)}).", "",
-              "| training | test accuracy | wall s |", "|---|---|---|"]
-    for name, accuracy, wall in runs:
-        lines.append(f"| {names.get(name, name)} | {accuracy}% | {wall} |")
+              "| training | test accuracy |", "|---|---|"]
+    for name, accuracy, _ in runs:
+        lines.append(f"| {names.get(name, name)} | {accuracy}% |")
     lines.append("")
     plt.figure(figsize=(8, 4.5))
     for name, _, _ in runs:

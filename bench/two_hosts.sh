@@ -6,7 +6,7 @@
 # torch26 (PyTorch 2.6's root, or empty) and wire, and defines
 # one_stream, on_hosts and measure SETTING MODE RANKS_PER_HOST KIND ARGS...,
 # which appends the configuration's line to $results (its wire bytes to
-# $wire), timing $iterations after ${warmup:-10} of warm-up.
+# $wire), timing $iterations after ${bench_warmup:-10} of warm-up.
 
 # PyTorch 2.6, from the Debian 13 root that scripts/test-debian 13 keeps.
 torch26=${LOCKSTEP_DEBIAN_CACHE:-/var/cache/lockstep-debian}/trixie
@@ -46,6 +46,7 @@ shape_link() {
       case $rate in
         *gbit) bits=${rate%gbit}000000000 ;;
         *mbit) bits=${rate%mbit}000000 ;;
+        *) echo "shape_link: a rate in gbit or mbit, or unlimited; not $rate" >&2; return 2 ;;
       esac
       ip netns exec "${hosts[$host]}" tc qdisc add dev "${devices[$host]}" root tbf \
         rate "$rate" burst $((bits / 8 / 500)) latency 50ms
@@ -114,11 +115,11 @@ measure() {
       [ -n "${BENCH_HOSTS_TIMELINE:-}" ] &&
         timeline=(LOCKSTEP_TIMELINE="$BENCH_HOSTS_TIMELINE/$setting-$mode")
       line=$(on_hosts "$per_host" env "${timeline[@]}" "$@" "$build_dir/bench/bench_ddp" mlp lockstep \
-        "$iterations" ${warmup:+"$warmup"} 2> "$scratch/err") || line=failed ;;
+        "$iterations" ${bench_warmup:+"$bench_warmup"} 2> "$scratch/err") || line=failed ;;
     pytorch) line=$(on_hosts "$per_host" env "$@" /usr/bin/python3 "$root/bench/ddp_torch.py" mlp \
-        "$iterations" ${warmup:+"$warmup"} 2> "$scratch/err") || line=failed ;;
+        "$iterations" ${bench_warmup:+"$bench_warmup"} 2> "$scratch/err") || line=failed ;;
     pytorch26) line=$(on_hosts "$per_host" env "$@" bash -c 'torch26_python "$@"' _ mlp \
-        "$iterations" ${warmup:+"$warmup"} 2> "$scratch/err") || line=failed ;;
+        "$iterations" ${bench_warmup:+"$bench_warmup"} 2> "$scratch/err") || line=failed ;;
   esac
   if [ "$line" = failed ]; then
     echo "$setting,$mode,failed,0" >> "$results"

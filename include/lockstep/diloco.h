@@ -11,8 +11,8 @@
 // torchft's (torchft/local_sgd.py), so that a program moved from it gets the
 // same numbers. With one rank per replica, a lockstep::FaultTolerance built
 // over the DiLoCo (fault_tolerance.h) makes each synchronisation a step that
-// the replicas agree on: a replica that dies costs at most the one in
-// flight, and a restarted one rejoins with the live state. See
+// the replicas agree on: a replica that dies costs one (the one in flight,
+// or the next), and a restarted one rejoins with the live state. See
 // docs/diloco.md.
 //
 //   auto groups = lockstep::replica_groups(world);

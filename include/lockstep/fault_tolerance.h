@@ -101,9 +101,10 @@ class FaultTolerance {
                  FaultToleranceOptions options);
   /// DiLoCo across replicas of one rank each (its world is the job's): a
   /// step is a fragment's synchronisation, which diloco.step() begins and
-  /// commits itself; a replica that fails costs at most the one in flight,
-  /// and a restarted one receives the parameters, the global ones, the
-  /// inner and outer optimizers' states and the local step (diloco.h).
+  /// commits itself; a replica that fails costs one (the one in flight, or
+  /// the next), and a restarted one receives the parameters, the global
+  /// ones, the inner and outer optimizers' states and the local step
+  /// (docs/diloco.md).
   FaultTolerance(DiLoCo& diloco, torch::optim::Optimizer& inner,
                  FaultToleranceOptions options = {});
   ~FaultTolerance();

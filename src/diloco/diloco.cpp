@@ -91,11 +91,15 @@ void DiLoCo::Impl::tolerated(Collective&& collective) {
   }
 }
 
-void DiLoCo::Impl::begin_sync(bool participates) {
+void DiLoCo::Impl::begin_sync() {
+  bool participates = true;
   if (fault_tolerance != nullptr) {
-    // A restarted replica receives the live state here, local step and
-    // syncs included: it sends what the others send at this step.
+    // A replica that rejoins receives the live state here, local step and
+    // syncs included: it sends where the others send, but zeros, and its
+    // share of the divisor is 0 (its parameters are its sender's).
+    received_state = false;
     fault_tolerance->begin_step();
+    participates = joined && !received_state;
     joined = true;
     TORCH_INTERNAL_ASSERT(send_due(), "the replicas synchronise at the same local steps");
   }
@@ -142,9 +146,10 @@ void DiLoCo::Impl::end_sync() {
       local.push_back(parameter.clone());
     }
   }
-  // torchft's: the fragment goes back to its global parameters, which the
-  // outer optimizer steps only for a synchronisation that counts; the
-  // local ones are merged in either way.
+  // torchft's: the fragment goes back to its global parameters; for a
+  // synchronisation that counts, the outer optimizer steps them and the
+  // local ones are merged in; for one that is dropped, the fragment keeps
+  // the global parameters of the last one that counted.
   for (size_t i = 0; i < parameters.size(); ++i) {
     parameters[i].copy_(saved[i]);
   }
@@ -164,10 +169,10 @@ void DiLoCo::Impl::end_sync() {
       parameters[i].mutable_grad().reset();
     }
     ++syncs;
-  }
-  if (alpha > 0) {
-    for (size_t i = 0; i < parameters.size(); ++i) {
-      parameters[i].lerp_(local[i], alpha);
+    if (alpha > 0) {
+      for (size_t i = 0; i < parameters.size(); ++i) {
+        parameters[i].lerp_(local[i], alpha);
+      }
     }
   }
 }
@@ -287,7 +292,7 @@ void DiLoCo::step() {
     ++impl.local_step;
   }
   if (joining || impl.send_due()) {
-    impl.begin_sync(/*participates=*/!joining);
+    impl.begin_sync();
   }
   if (impl.local_step % impl.interval() == 0) {
     impl.end_sync();

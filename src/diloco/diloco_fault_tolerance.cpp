@@ -15,7 +15,9 @@
 #include <lockstep/error.h>
 
 #include "diloco/diloco_impl.h"
+#include "fault/loop_state.h"
 #include "optim/optimizer_bytes.h"
+#include "world/epoch_world.h"
 
 namespace lockstep {
 
@@ -33,16 +35,35 @@ std::vector<at::Tensor> DiLoCo::Impl::replica_tensors(bool buffers_only) const {
   return tensors;
 }
 
-FaultTolerance::FaultTolerance(DiLoCo& diloco, torch::optim::Optimizer& inner,
-                               FaultToleranceOptions options)
-    : FaultTolerance(std::static_pointer_cast<detail::Guarded>(diloco.impl_), inner, options) {
-  auto& impl = *diloco.impl_;
+namespace {
+
+// Before anything collective: what FaultTolerance(diloco, inner) cannot take.
+std::shared_ptr<detail::Guarded> checked(DiLoCo::Impl& impl, torch::optim::Optimizer& inner) {
   LOCKSTEP_ENFORCE(&inner == &impl.inner, UsageError, "FaultTolerance(diloco, inner): `inner` "
                    "must be the inner optimizer that the DiLoCo was built with.");
   LOCKSTEP_ENFORCE(impl.fault_tolerance == nullptr, UsageError, "a DiLoCo takes one "
                    "FaultTolerance.");
   LOCKSTEP_ENFORCE(impl.local_step == 0 && !impl.pending, UsageError, "build the "
                    "FaultTolerance of a DiLoCo before its first step.");
+  LOCKSTEP_ENFORCE(
+      detail::WorldAccess::standby(impl.replicas) ||
+          impl.replicas.size() == detail::WorldAccess::slots(impl.replicas),
+      UsageError, "FaultTolerance(diloco, ...) takes a DiLoCo over the job's world (one rank "
+      "per replica); this one runs over ", impl.replicas.size(), " of the job's ",
+      detail::WorldAccess::slots(impl.replicas), " ranks (replicas of several ranks running "
+      "DDP inside are not fault tolerant yet: a rank that dies breaks its replica's world).");
+  return std::shared_ptr<detail::Guarded>(impl.shared_from_this());
+}
+
+} // namespace
+
+FaultTolerance::FaultTolerance(DiLoCo& diloco, torch::optim::Optimizer& inner,
+                               FaultToleranceOptions options)
+    : FaultTolerance(checked(*diloco.impl_, inner), inner, options) {
+  auto& impl = *diloco.impl_;
+  // Between two synchronisations the replicas are not in step: only the
+  // agreement at a commit may move them to a new world (loop_state.h).
+  impl_->reform_only_when_decided = true;
   register_state(
       "lockstep::DiLoCo",
       [&impl](torch::serialize::OutputArchive& archive) {
@@ -55,17 +76,19 @@ FaultTolerance::FaultTolerance(DiLoCo& diloco, torch::optim::Optimizer& inner,
         }
       },
       [&impl](torch::serialize::InputArchive& archive) {
-        at::Tensor value;
-        archive.read("local_step", value);
-        impl.local_step = value.item<int64_t>();
-        archive.read("syncs", value);
-        impl.syncs = value.item<int64_t>();
+        at::Tensor local_step;
+        at::Tensor syncs;
+        archive.read("local_step", local_step);
+        archive.read("syncs", syncs);
+        impl.local_step = local_step.item<int64_t>();
+        impl.syncs = syncs.item<int64_t>();
         auto outer = impl.distinct_outer();
         for (size_t k = 0; k < outer.size(); ++k) {
           c10::IValue bytes;
           archive.read("outer " + std::to_string(k), bytes);
           detail::load_optimizer_bytes(*outer[k], bytes.toStringRef());
         }
+        impl.received_state = true;
       });
   impl.fault_tolerance = this;
 }

@@ -5,6 +5,7 @@
 // as FaultTolerance guards DistributedDataParallel's reducer: a step is one
 // fragment's synchronisation, from its send to its apply.
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -16,7 +17,7 @@
 
 namespace lockstep {
 
-struct DiLoCo::Impl final : detail::Guarded {
+struct DiLoCo::Impl final : detail::Guarded, std::enable_shared_from_this<DiLoCo::Impl> {
   World replicas;
   std::vector<std::vector<at::Tensor>> fragments;
   torch::optim::Optimizer& inner;
@@ -42,6 +43,9 @@ struct DiLoCo::Impl final : detail::Guarded {
   /// False on a replica restarted alone until its first step brings it the
   /// live state.
   bool joined = true;
+  /// Set where the live state is loaded (a replica restarted, or stopped
+  /// and dropped, that rejoins): what it would send is its sender's.
+  bool received_state = false;
 
   Impl(World replicas_in, std::vector<std::vector<at::Tensor>> fragments_in,
        torch::optim::Optimizer& inner_in, std::vector<torch::optim::Optimizer*> outer_in,
@@ -61,9 +65,9 @@ struct DiLoCo::Impl final : detail::Guarded {
   }
   /// Begins the step of fault tolerance, if any, and sends the next
   /// fragment's pseudo-gradient.
-  void begin_sync(bool participates);
+  void begin_sync();
   /// Waits for it; applies it if the step counts, else only restores the
-  /// fragment's global parameters and merges the local ones.
+  /// fragment's global parameters.
   void end_sync();
   /// Runs a collective; under fault tolerance, a failure is kept for
   /// take_failure() instead of raised.

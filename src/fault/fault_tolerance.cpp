@@ -155,7 +155,8 @@ void FaultTolerance::begin_step() {
   auto& impl = *impl_;
   LOCKSTEP_ENFORCE(!impl.in_step, UsageError, "begin_step() was called twice without "
                    "commit() between: every step ends with ft.commit().");
-  if (impl.watch && (impl.need_reform || !impl.verdict().empty())) {
+  if (impl.watch &&
+      (impl.need_reform || (!impl.reform_only_when_decided && !impl.verdict().empty()))) {
     impl.reform();
   }
   at::NoGradGuard no_grad;

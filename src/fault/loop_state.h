@@ -66,6 +66,13 @@ struct FaultTolerance::Impl {
   int64_t committed = 0;
   bool holds_state = true;
   bool need_reform = false;
+  /// Re-form only where a commit decided it (a dropped step, a rank asking
+  /// to join), never on a failure this rank alone has seen so far: where
+  /// the ranks are not in step between two steps (DiLoCo's inner steps),
+  /// one that had not seen it yet would begin the step in the old world
+  /// while another waits for it in the new one, an interval away. Begun in
+  /// the old world, the step fails there on every rank and is dropped.
+  bool reform_only_when_decided = false;
   bool in_step = false;
   int64_t synchronisations_at_begin = 0;
   std::vector<at::Tensor> buffers;

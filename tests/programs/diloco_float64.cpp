@@ -9,7 +9,9 @@
 //
 // LOCKSTEP_TEST_KILLS="R:I:STEP:PHASE" makes incarnation I of rank R kill
 // itself (SIGKILL) once it has taken STEP inner steps: before its next one
-// (inner), or just after the step that sent a fragment (in-flight). Each
+// (inner), or just after the step that sent a fragment (in-flight); or stop
+// itself (SIGSTOP) before its next one (stop), for the test to continue it
+// (it writes its pid to OUT_DIR/pid-R). Each
 // rank appends to OUT_DIR/rank-R.log a line per synchronisation that
 // counted ("sync SYNCS LOCAL_STEP REPLICAS"), per one lost ("lost
 // LOCAL_STEP"), and "joined LOCAL_STEP" where a restarted replica received
@@ -56,13 +58,19 @@ int train(int argc, char** argv) {
                 kill_phase);
   }
   auto maybe_die = [&](const std::string& phase, int64_t local_step) {
-    if (kill_replica == replica && kill_incarnation == incarnation && local_step == kill_step &&
-        phase == kill_phase) {
+    if (kill_replica != replica || kill_incarnation != incarnation || local_step != kill_step) {
+      return;
+    }
+    if (phase == kill_phase) {
       std::raise(SIGKILL);
+    }
+    if (phase == "inner" && std::string(kill_phase) == "stop") {
+      std::raise(SIGSTOP);
     }
   };
 
   torch::set_num_threads(1);
+  std::ofstream(out + "/pid-" + std::to_string(replica)) << ::getpid() << "\n";
   auto world = lockstep::init();
   Mlp model = float64_mlp(3 + static_cast<uint64_t>(replica));
   torch::optim::SGD inner(model->parameters(), inner_options());
