@@ -149,6 +149,11 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   torch::optim::Optimizer& local_optimizer() {
     return *local_;
   }
+  /// The world its ranks share the state over (a GradScaler's ranks agree
+  /// there on whether a step is skipped).
+  World& world() {
+    return world_;
+  }
   /// Bytes of this rank's optimizer state, as its shard saves.
   int64_t state_bytes() const;
 
