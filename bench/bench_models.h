@@ -89,6 +89,54 @@ struct RecommenderImpl : torch::nn::Module {
 };
 TORCH_MODULE(Recommender);
 
+/// A small transformer encoder: 1000 token ids embedded in 256, 2 pre-norm
+/// blocks (4-head self-attention, a 1024-wide GELU MLP), and a linear head
+/// on the mean over 32 tokens (1.9M parameters).
+struct TransformerImpl : torch::nn::Module {
+  static constexpr int64_t kVocabulary = 1000, kWidth = 256, kHeads = 4, kTokens = 32;
+  TransformerImpl()
+      : embedding(register_module("embedding", torch::nn::Embedding(kVocabulary, kWidth))),
+        head(register_module("head", torch::nn::Linear(kWidth, 10))) {
+    for (int i = 0; i < 2; ++i) {
+      auto name = "block" + std::to_string(i) + "_";
+      auto norm = torch::nn::LayerNormOptions({kWidth});
+      norm1.push_back(register_module(name + "norm1", torch::nn::LayerNorm(norm)));
+      qkv.push_back(register_module(name + "qkv", torch::nn::Linear(kWidth, 3 * kWidth)));
+      proj.push_back(register_module(name + "proj", torch::nn::Linear(kWidth, kWidth)));
+      norm2.push_back(register_module(name + "norm2", torch::nn::LayerNorm(norm)));
+      up.push_back(register_module(name + "up", torch::nn::Linear(kWidth, 4 * kWidth)));
+      down.push_back(register_module(name + "down", torch::nn::Linear(4 * kWidth, kWidth)));
+    }
+  }
+  torch::Tensor forward(torch::Tensor ids) {
+    auto x = embedding(ids);
+    int64_t batch = x.size(0), tokens = x.size(1), depth = kWidth / kHeads;
+    for (size_t i = 0; i < qkv.size(); ++i) {
+      auto parts = qkv[i](norm1[i](x))
+                       .view({batch, tokens, 3, kHeads, depth})
+                       .permute({2, 0, 3, 1, 4});
+      auto scores = parts[0].matmul(parts[1].transpose(-2, -1)) / std::sqrt(double(depth));
+      auto attended = torch::softmax(scores, -1).matmul(parts[2]);
+      x = x + proj[i](attended.transpose(1, 2).reshape({batch, tokens, kWidth}));
+      x = x + down[i](torch::gelu(up[i](norm2[i](x))));
+    }
+    return head(x.mean(1));
+  }
+  torch::nn::Embedding embedding;
+  torch::nn::Linear head;
+  std::vector<torch::nn::LayerNorm> norm1, norm2;
+  std::vector<torch::nn::Linear> qkv, proj, up, down;
+};
+TORCH_MODULE(Transformer);
+
+/// The token ids both sides feed the transformer: 64 sequences of 32.
+inline std::pair<torch::Tensor, torch::Tensor> deterministic_tokens() {
+  auto ids = torch::arange(64 * TransformerImpl::kTokens, torch::kLong)
+                 .mul(7919)
+                 .remainder(TransformerImpl::kVocabulary);
+  return {ids.view({64, TransformerImpl::kTokens}), torch::arange(64, torch::kLong).remainder(10)};
+}
+
 /// The ids both sides look up: 64 examples of 20, spread over the table.
 inline std::pair<torch::Tensor, torch::Tensor> deterministic_ids() {
   auto ids = torch::arange(64 * 20, torch::kLong).mul(7919).remainder(RecommenderImpl::kRows);

@@ -4,7 +4,7 @@
 //
 //   ddp_bench MODEL MODE [ITERATIONS] [WARMUP]
 //   MODEL: mlp | cnn | cnn_bn | cnn_syncbn | mlp_const | emb_sparse | emb_dense (a 1M x 64
-//          embedding table with sparse or dense gradients)
+//          embedding table with sparse or dense gradients) | transformer
 //   MODE:  lockstep (DistributedDataParallel) | manual (all-reduce each
 //          gradient after backward, as C++ users do by hand) | single (one
 //          process, no communication) | detail_ab (lockstep, switching
@@ -27,6 +27,10 @@
 // the host sent per timed iteration (the largest over hosts), not what
 // lockstep believes it sent. BENCH_DEVICE=cuda trains on cuda:LOCAL_RANK
 // (NCCL), each iteration timed up to the end of its device work.
+// BENCH_AMP=autocast computes forward and loss under bfloat16 autocast
+// (lockstep::amp::Autocast, mode "_autocast"); BENCH_AMP=policy under DDP's
+// mixed-precision policy in bfloat16 ("_policy"), and rank 0 prints
+// "bytes,MODEL,MODE,BYTES", what one iteration reduced.
 // BENCH_DILOCO=H:F:DELAY[:bf16|fp16] (mode lockstep): replicas of a host's
 // ranks (DDP within, over shared memory) and Streaming DiLoCo across them
 // with sync_every H, F fragments (consecutive parameters), that
@@ -125,8 +129,12 @@ void run(World& world, ModelType model, const std::string& model_name,
                 wire_name);
     groups = replica_groups(world);
   }
+  std::string precision = std::getenv("BENCH_AMP") ? std::getenv("BENCH_AMP") : "";
   if (mode == "lockstep" || joined || alternate) {
     DdpOptions options;
+    if (precision == "policy") {
+      options.mixed_precision(MixedPrecision().param_dtype(at::kBFloat16));
+    }
     if (const char* cap = std::getenv("BENCH_BUCKET_CAP_MB")) {
       options.bucket_cap_mb(std::atof(cap));
     }
@@ -199,9 +207,9 @@ void run(World& world, ModelType model, const std::string& model_name,
     }
     diloco.emplace(groups->across, fragments, *optimizer, outer_pointers, options);
   }
-  auto [x_host, y_host] = input_shape.empty()
-                             ? lockstep::bench::deterministic_ids()
-                             : lockstep::bench::deterministic_batch(input_shape);
+  auto [x_host, y_host] = model_name == "transformer" ? lockstep::bench::deterministic_tokens()
+                         : input_shape.empty()       ? lockstep::bench::deterministic_ids()
+                                                     : lockstep::bench::deterministic_batch(input_shape);
   auto x = x_host.to(device);
   auto y = y_host.to(device);
   std::vector<double> times;
@@ -225,8 +233,16 @@ void run(World& world, ModelType model, const std::string& model_name,
     }
     auto start = std::chrono::steady_clock::now();
     optimizer->zero_grad();
-    auto out = ddp ? (*ddp)(x) : model(x);
-    torch::nn::functional::cross_entropy(out, y).backward();
+    torch::Tensor loss;
+    {
+      std::optional<amp::Autocast> autocast;
+      if (precision == "autocast") {
+        autocast.emplace(device.type(), at::kBFloat16);
+      }
+      auto out = ddp ? (*ddp)(x) : model(x);
+      loss = torch::nn::functional::cross_entropy(out.to(at::kFloat), y);
+    }
+    loss.backward();
     if (mode == "manual") {
       for (auto& param : model->parameters()) {
         world.all_reduce(param.mutable_grad(), ReduceOp::Average);
@@ -260,6 +276,13 @@ void run(World& world, ModelType model, const std::string& model_name,
   }
   if (in_backward) {
     reported += "_in_backward";
+  }
+  if (!precision.empty()) {
+    reported += "_" + precision;
+    if (ddp && world.rank() == 0) {
+      std::fprintf(stderr, "bytes,%s,%s,%lld\n", model_name.c_str(), reported.c_str(),
+                   static_cast<long long>(ddp->stats().last.bytes_reduced));
+    }
   }
   if (diloco_setting != nullptr) {
     reported += "_diloco_h" + std::to_string(sync_every) + "_f" + std::to_string(fragment_count) +
@@ -334,6 +357,8 @@ int main(int argc, char** argv) {
     Cnn cnn(/*batch_norm=*/true);
     convert_sync_batchnorm(*cnn, world);
     run(world, cnn, model, mode, {1, 28, 28}, iterations, warmup);
+  } else if (model == "transformer") {
+    run(world, Transformer(), model, mode, {}, iterations, warmup);
   } else if (model == "emb_sparse" || model == "emb_dense") {
     run(world, Recommender(model == "emb_sparse"), model, mode, {}, iterations, warmup);
   } else {

@@ -12,6 +12,7 @@ BENCH_DEVICE=cuda: on cuda:LOCAL_RANK over NCCL, each iteration timed up to
 the end of its device work, as in ddp_bench.cpp.
 """
 import contextlib
+import importlib
 import os
 import resource
 import statistics
@@ -64,6 +65,41 @@ class Cnn(nn.Module):
             x = self.bn2(x)
         x = F.max_pool2d(F.relu(x), 2).flatten(1)
         return self.fc2(F.relu(self.fc1(x)))
+
+
+class Transformer(nn.Module):
+    """bench_models.h's TransformerImpl, registered in the same order."""
+    VOCABULARY, WIDTH, HEADS, TOKENS = 1000, 256, 4, 32
+
+    def __init__(self):
+        super().__init__()
+        width = self.WIDTH
+        self.embedding = nn.Embedding(self.VOCABULARY, width)
+        self.head = nn.Linear(width, 10)
+        for i in range(2):
+            setattr(self, f"block{i}_norm1", nn.LayerNorm(width))
+            setattr(self, f"block{i}_qkv", nn.Linear(width, 3 * width))
+            setattr(self, f"block{i}_proj", nn.Linear(width, width))
+            setattr(self, f"block{i}_norm2", nn.LayerNorm(width))
+            setattr(self, f"block{i}_up", nn.Linear(width, 4 * width))
+            setattr(self, f"block{i}_down", nn.Linear(4 * width, width))
+
+    def forward(self, ids):
+        x = self.embedding(ids)
+        batch, tokens, depth = x.size(0), x.size(1), self.WIDTH // self.HEADS
+        for i in range(2):
+            block = lambda part: getattr(self, f"block{i}_{part}")
+            parts = block("qkv")(block("norm1")(x)).view(batch, tokens, 3, self.HEADS, depth)
+            q, k, v = parts.permute(2, 0, 3, 1, 4)
+            attended = torch.softmax(q.matmul(k.transpose(-2, -1)) / depth ** 0.5, -1).matmul(v)
+            x = x + block("proj")(attended.transpose(1, 2).reshape(batch, tokens, self.WIDTH))
+            x = x + block("down")(F.gelu(block("up")(block("norm2")(x))))
+        return self.head(x.mean(1))
+
+
+def deterministic_tokens():
+    ids = torch.arange(64 * Transformer.TOKENS).mul(7919).remainder(Transformer.VOCABULARY)
+    return ids.view(64, Transformer.TOKENS), torch.arange(64).remainder(10)
 
 
 class Recommender(nn.Module):
@@ -119,11 +155,23 @@ def main():
         model, shape = Mlp(name == "mlp_const"), (1024,)
     elif name.startswith("emb"):
         model, shape = Recommender(name == "emb_sparse"), None
+    elif name == "transformer":
+        model, shape = Transformer(), "tokens"
     else:
         model, shape = Cnn(name == "cnn_bn"), (1, 28, 28)
     deterministic_init(model)
     model.to(device)
-    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
+    # BENCH_AMP=autocast: forward and loss under bfloat16 autocast;
+    # BENCH_AMP=policy: DDP's (private) mixed_precision in bfloat16.
+    precision = os.environ.get("BENCH_AMP", "")
+    options = {}
+    if precision == "policy":
+        # PyTorch 2.6's DDP frees the copies through a module it does not
+        # import itself (AttributeError: ..._functional_collectives).
+        importlib.import_module("torch.distributed._functional_collectives")
+        from torch.nn.parallel.distributed import _MixedPrecision
+        options["mixed_precision"] = _MixedPrecision(param_dtype=torch.bfloat16)
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if cuda else None, **options)
     # BENCH_TORCH_HOOK=fp16|bf16|powersgd:R: PyTorch's hook of that name.
     hook = os.environ.get("BENCH_TORCH_HOOK", "")
     if hook == "fp16":
@@ -144,7 +192,10 @@ def main():
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-    x, y = deterministic_ids() if shape is None else deterministic_batch(shape)
+    if shape == "tokens":
+        x, y = deterministic_tokens()
+    else:
+        x, y = deterministic_ids() if shape is None else deterministic_batch(shape)
     x, y = x.to(device), y.to(device)
     times = []
     # BENCH_TORCH_JOIN=1: the loop inside ddp.join(), every rank with the same batches.
@@ -157,7 +208,9 @@ def main():
                 wire_at_start = wire_bytes()
             start = time.perf_counter()
             optimizer.zero_grad()
-            F.cross_entropy(ddp(x), y).backward()
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "autocast"):
+                loss = F.cross_entropy(ddp(x).float(), y)
+            loss.backward()
             optimizer.step()
             if cuda:
                 torch.cuda.synchronize(device)
@@ -176,6 +229,8 @@ def main():
             mode += "_zero"
         if hook:
             mode += "_" + hook.split(":")[0]
+        if precision:
+            mode += "_" + precision
         print(f"{name},{mode},{median.item():.2f},{rss.item():.0f}", flush=True)
     if wire_at_start >= 0:
         dist.all_reduce(wire, op=dist.ReduceOp.MAX)

@@ -23,6 +23,7 @@
 #include "support/job_output.h"
 #include "support/process.h"
 #include "support/scratch_folder.h"
+#include "support/paths.h"
 
 namespace lockstep::testing {
 namespace {
@@ -121,8 +122,8 @@ class Chaos {
 };
 
 std::vector<std::string> elastic_job(const ScratchFolder& folder, int restarts, int steps) {
-  return {LOCKSTEP_RUN_BINARY, "--nproc-per-node", std::to_string(kRanks), "--restart", "rank",
-          "--max-restarts", std::to_string(restarts), "--", MNIST_ELASTIC_BINARY, "--data",
+  return {lockstep::testing::lockstep_run_binary(), "--nproc-per-node", std::to_string(kRanks), "--restart", "rank",
+          "--max-restarts", std::to_string(restarts), "--", lockstep::testing::mnist_elastic_binary(), "--data",
           mnist_dir(), "--steps", std::to_string(steps), "--phase-dir", folder / "phases", "--checkpoint",
           folder / "checkpoint.pt", "--checkpoint-every", "10", "--heartbeat-ms", "1000",
           "--log-every", "100"};

@@ -23,6 +23,7 @@
 #include "support/job_output.h"
 #include "support/process.h"
 #include "support/scratch_folder.h"
+#include "support/paths.h"
 
 namespace lockstep::testing {
 namespace {
@@ -173,9 +174,9 @@ TEST_P(DiLoCoFaultTolerance, AFailedReplicaCostsOneSyncAndRejoinsWithTheLiveStat
   const auto plan = GetParam();
   ScratchFolder out("diloco-kills");
   constexpr int64_t kSteps = 160;
-  std::vector<std::string> argv{LOCKSTEP_RUN_BINARY, "--nproc-per-node",
+  std::vector<std::string> argv{lockstep::testing::lockstep_run_binary(), "--nproc-per-node",
                                 std::to_string(kReplicas), "--restart", "rank",
-                                "--max-restarts", "1", "--", DILOCO_FLOAT64_BINARY,
+                                "--max-restarts", "1", "--", lockstep::testing::diloco_float64_binary(),
                                 std::to_string(kSteps), out.path(), "10"};
   auto kills = "2:0:" + std::to_string(plan.step) + ":" + plan.phase;
   Process job(argv, {{"LOCKSTEP_TEST_KILLS", kills}, {"LOCKSTEP_TIMEOUT", "20"},

@@ -26,6 +26,7 @@
 #include "support/training.h"
 #include "store/client.h"
 #include "store/host_folder.h"
+#include "support/paths.h"
 
 namespace lockstep::testing {
 namespace {
@@ -49,7 +50,7 @@ void wait_for_lines(const std::string& path, int lines, Clock::time_point deadli
 // running elastic_float64 with `args`; `extra` adds to its environment.
 Process elastic_rank(int rank, int size, int port, const std::vector<std::string>& args,
                      Environment extra = {}) {
-  std::vector<std::string> argv{ELASTIC_FLOAT64_BINARY};
+  std::vector<std::string> argv{lockstep::testing::elastic_float64_binary()};
   argv.insert(argv.end(), args.begin(), args.end());
   Environment environment{{"RANK", std::to_string(rank)}, {"WORLD_SIZE", std::to_string(size)},
                           {"LOCAL_RANK", std::to_string(rank)},
@@ -141,7 +142,7 @@ void expect_committed_steps_match(const ScratchFolder& out, int ranks, const Ref
 }
 
 std::vector<std::string> launch(int ranks, int restarts) {
-  return {LOCKSTEP_RUN_BINARY, "--nproc-per-node", std::to_string(ranks), "--restart",
+  return {lockstep::testing::lockstep_run_binary(), "--nproc-per-node", std::to_string(ranks), "--restart",
           "rank", "--max-restarts", std::to_string(restarts), "--"};
 }
 
@@ -159,7 +160,7 @@ TEST_P(FaultToleranceKills, EachFailureCostsOneStepAndTheRunEqualsTheCommittedSt
   ScratchFolder out("ft-kills");
   constexpr int64_t kSteps = 300;
   auto argv = launch(plan.ranks, plan.killed);
-  for (std::string arg : {std::string(ELASTIC_FLOAT64_BINARY), std::to_string(kSteps), out.path(), std::string("10")}) {
+  for (std::string arg : {std::string(lockstep::testing::elastic_float64_binary()), std::to_string(kSteps), out.path(), std::string("10")}) {
     argv.push_back(arg);
   }
   // A collective that stalls (none should) then costs a step, named in
@@ -190,6 +191,9 @@ TEST_P(FaultToleranceKills, EachFailureCostsOneStepAndTheRunEqualsTheCommittedSt
         << "after " << scheduled << " steps";
   }
   EXPECT_EQ(receipts, plan.killed) << result.output;
+  // The GradScaler's state travels too (FaultTolerance::register_state):
+  // 300 clean updates, a growth every 20, on every rank alike.
+  EXPECT_EQ(occurrences(result.output, "loss scale 2147483648\n"), plan.ranks) << result.output;
   // Replicas checked bit for bit at the end, on every rank.
   EXPECT_EQ(occurrences(result.output, ": " + std::to_string(kSteps) + " steps"), plan.ranks)
       << result.output;
@@ -221,7 +225,7 @@ int read_pid(const std::string& path) {
 TEST(FaultTolerance, AStoppedRankIsDroppedAfterTheHeartbeatTimeoutThenRejoins) {
   ScratchFolder out("ft-stop");
   auto argv = launch(3, 0);
-  for (std::string arg : {ELASTIC_FLOAT64_BINARY, "300", out.path().c_str(), "10"}) {
+  for (std::string arg : {lockstep::testing::elastic_float64_binary(), "300", out.path().c_str(), "10"}) {
     argv.push_back(arg);
   }
   Process job(argv, {});
@@ -296,7 +300,7 @@ TEST(FaultTolerance, AStaleIncarnationIsRefusedByName) {
 TEST(FaultTolerance, BelowTheMinimumTheSurvivorsWaitForTheRankToComeBack) {
   ScratchFolder out("ft-minimum");
   auto argv = launch(2, 1);
-  for (std::string arg : {std::string(ELASTIC_FLOAT64_BINARY), std::string("200"), out.path(),
+  for (std::string arg : {std::string(lockstep::testing::elastic_float64_binary()), std::string("200"), out.path(),
                           std::string("10"), std::string("2")}) {
     argv.push_back(arg);
   }
@@ -341,7 +345,7 @@ class StoreOutlivesRankZero : public ::testing::TestWithParam<std::string> {};
 TEST_P(StoreOutlivesRankZero, UnderTheLauncher) {
   ScratchFolder out("ft-store");
   auto argv = launch(2, 1);
-  for (std::string arg : {std::string(ELASTIC_FLOAT64_BINARY), std::string("150"), out.path(),
+  for (std::string arg : {std::string(lockstep::testing::elastic_float64_binary()), std::string("150"), out.path(),
                           std::string("10")}) {
     argv.push_back(arg);
   }
@@ -351,7 +355,7 @@ TEST_P(StoreOutlivesRankZero, UnderTheLauncher) {
   while (Clock::now() < deadline && job.output().find("restarting it alone") == std::string::npos) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  auto other = run_process({LOCKSTEP_RUN_BINARY, "--nproc-per-node", "2", "--", HELLO_BINARY},
+  auto other = run_process({lockstep::testing::lockstep_run_binary(), "--nproc-per-node", "2", "--", lockstep::testing::hello_binary()},
                            {}, std::chrono::seconds(60));
   EXPECT_TRUE(other.ok()) << other.status() << "\n" << other.output;
   auto result = job.wait_until(deadline);
@@ -366,7 +370,7 @@ INSTANTIATE_TEST_SUITE_P(Stores, StoreOutlivesRankZero, ::testing::Values("file"
 std::vector<std::string> elastic_job(int ranks, int restarts, int64_t steps,
                                      const ScratchFolder& out, int pause_ms) {
   auto argv = launch(ranks, restarts);
-  for (std::string arg : {std::string(ELASTIC_FLOAT64_BINARY), std::to_string(steps), out.path(),
+  for (std::string arg : {std::string(lockstep::testing::elastic_float64_binary()), std::to_string(steps), out.path(),
                           std::to_string(pause_ms)}) {
     argv.push_back(arg);
   }
@@ -501,10 +505,10 @@ TEST(FaultTolerance, ResourcesAndTheStoreStayFlatOverFailures) {
   std::string error;
   auto socket = store::socket_path(store::job_folder(store::private_base(error), port));
   constexpr int kKills = 12;
-  auto argv = std::vector<std::string>{LOCKSTEP_RUN_BINARY, "--nproc-per-node", "3",
+  auto argv = std::vector<std::string>{lockstep::testing::lockstep_run_binary(), "--nproc-per-node", "3",
                                        "--master-port", std::to_string(port), "--restart",
                                        "rank", "--max-restarts", std::to_string(kKills + 2),
-                                       "--", ELASTIC_FLOAT64_BINARY, "1000", out.path(), "10"};
+                                       "--", lockstep::testing::elastic_float64_binary(), "1000", out.path(), "10"};
   std::string kills;
   for (int kill = 0; kill < kKills; ++kill) {
     kills += (kill ? "," : "") + std::string("2:") + std::to_string(kill) + ":" +

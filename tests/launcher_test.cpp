@@ -14,6 +14,7 @@
 #include "support/process.h"
 #include "support/scratch_folder.h"
 #include "world/process_identity.h"
+#include "support/paths.h"
 
 namespace lockstep::testing {
 namespace {
@@ -22,7 +23,7 @@ using Clock = std::chrono::steady_clock;
 
 ProcessExit launch(std::vector<std::string> args, const Environment& env = {},
                    std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
-  args.insert(args.begin(), LOCKSTEP_RUN_BINARY);
+  args.insert(args.begin(), lockstep::testing::lockstep_run_binary());
   return run_process(args, env, timeout);
 }
 
@@ -155,7 +156,7 @@ TEST(Launcher, ALauncherKilledWhileItStartsItsRanksLeavesNoneBehind) {
     SCOPED_TRACE(delay_ms);
     std::string marks = folder / std::to_string(delay_ms);
     ASSERT_EQ(::mkdir(marks.c_str(), 0700), 0);
-    Process launcher({LOCKSTEP_RUN_BINARY, "--nproc-per-node", "4", "--", "sh", "-c",
+    Process launcher({lockstep::testing::lockstep_run_binary(), "--nproc-per-node", "4", "--", "sh", "-c",
                       "echo $$ > " + marks + "/pid-$RANK; exec sleep 30"},
                      {});
     std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
@@ -178,7 +179,7 @@ TEST(Launcher, ForwardsSigintToEveryRank) {
   ScratchFolder folder("launcher");
   ASSERT_FALSE(folder.path().empty());
   const std::string& marks = folder.path();
-  Process launcher({LOCKSTEP_RUN_BINARY, "--nproc-per-node", "2", "--", "sh", "-c",
+  Process launcher({lockstep::testing::lockstep_run_binary(), "--nproc-per-node", "2", "--", "sh", "-c",
                     "trap 'echo got > " + marks + "/int-$RANK; exit 0' INT; "
                     "touch " + marks + "/ready-$RANK; while true; do sleep 0.1; done"},
                    {});
@@ -283,7 +284,7 @@ TEST(Launcher, BadCommandLinesExitWithUsage) {
 }
 
 TEST(Launcher, RunsTheHelloJob) {
-  auto result = launch({"--nproc-per-node", "2", "--", HELLO_BINARY});
+  auto result = launch({"--nproc-per-node", "2", "--", lockstep::testing::hello_binary()});
   ASSERT_TRUE(result.ok()) << result.output;
   EXPECT_TRUE(contains(result.output, "[1] [rank 1] contributed 2, all_reduce(sum) gave 3"));
 }

@@ -14,12 +14,13 @@
 #include "support/multiprocess.h"
 #include "support/scratch_folder.h"
 #include "support/process.h"
+#include "support/paths.h"
 
 namespace lockstep::testing {
 namespace {
 
 std::vector<std::string> job(std::vector<std::string> flags) {
-  std::vector<std::string> args{MNIST_TRAIN_BINARY, "--data", mnist_dir(), "--max-steps", "30"};
+  std::vector<std::string> args{lockstep::testing::mnist_train_binary(), "--data", mnist_dir(), "--max-steps", "30"};
   args.insert(args.end(), flags.begin(), flags.end());
   return args;
 }
@@ -33,7 +34,7 @@ std::vector<std::string> under(std::vector<std::string> launcher,
 
 std::vector<std::string> under_launcher(std::vector<std::string> launcher_flags,
                                         const std::vector<std::string>& command) {
-  launcher_flags.insert(launcher_flags.begin(), LOCKSTEP_RUN_BINARY);
+  launcher_flags.insert(launcher_flags.begin(), lockstep::testing::lockstep_run_binary());
   launcher_flags.push_back("--");
   return under(launcher_flags, command);
 }
@@ -60,7 +61,7 @@ TEST(MnistJob, RunsUnderTorchrun) {
     GTEST_SKIP() << "python3-torch is not installed: no torchrun here";
   }
   auto result = run_process(under(
-      {"/usr/bin/python3", std::string(LOCKSTEP_SOURCE_DIR) + "/tests/support/torchrun.py",
+      {"/usr/bin/python3", std::string(lockstep::testing::source_dir()) + "/tests/support/torchrun.py",
        "--nproc_per_node", "2", "--master_port", std::to_string(free_port()), "--no_python"},
       job({})));
   ASSERT_TRUE(result.ok()) << result.output;
@@ -80,7 +81,7 @@ TEST(MnistJob, RunsUnderMpirun) {
 }
 
 TEST(MnistJob, MissingDataSaysWhereItLookedAndHowToGetIt) {
-  auto result = run_process({MNIST_TRAIN_BINARY, "--data", "/nonexistent/mnist"},
+  auto result = run_process({lockstep::testing::mnist_train_binary(), "--data", "/nonexistent/mnist"},
                             {{"RANK", ""}, {"WORLD_SIZE", ""}});
   EXPECT_EQ(result.exit_code, 1);
   EXPECT_TRUE(contains(result.output, "no MNIST data in /nonexistent/mnist")) << result.output;
@@ -88,14 +89,14 @@ TEST(MnistJob, MissingDataSaysWhereItLookedAndHowToGetIt) {
 }
 
 TEST(MnistJob, UnevenWithSyncBatchNormIsRefusedBeforeTraining) {
-  auto result = run_process({MNIST_TRAIN_BINARY, "--uneven", "--sync-bn"});
+  auto result = run_process({lockstep::testing::mnist_train_binary(), "--uneven", "--sync-bn"});
   EXPECT_EQ(result.exit_code, 2) << result.output;
   EXPECT_TRUE(contains(result.output, "--uneven and --sync-bn do not go together"))
       << result.output;
 }
 
 TEST(MnistJob, HelpPrintsTheUsage) {
-  auto result = run_process({MNIST_TRAIN_BINARY, "--help"});
+  auto result = run_process({lockstep::testing::mnist_train_binary(), "--help"});
   EXPECT_EQ(result.exit_code, 0) << result.output;
   EXPECT_EQ(result.output.rfind("usage: mnist_train [flags]", 0), 0u) << result.output;
   EXPECT_FALSE(contains(result.output, "unknown flag")) << result.output;

@@ -12,6 +12,7 @@
 #include "support/multiprocess.h"
 #include "support/scratch_folder.h"
 #include "support/training.h"
+#include "support/paths.h"
 
 namespace lockstep::testing {
 namespace {
@@ -50,10 +51,10 @@ TEST(Timeline, RanksRecordForwardBackwardBucketsBroadcastsAndUserSpans) {
   });
   ASSERT_TRUE(result.ok()) << result.report();
 
-  std::string tool = LOCKSTEP_SOURCE_DIR "/tools/lockstep-trace/lockstep-trace";
+  std::string tool = std::string(lockstep::testing::source_dir()) + "/tools/lockstep-trace/lockstep-trace";
   auto merged = run_process({"python3", tool, "merge", prefix});
   ASSERT_TRUE(merged.ok()) << merged.status() << "\n" << merged.output;
-  auto checked = run_process({"python3", LOCKSTEP_SOURCE_DIR "/tests/scripts/check-timeline",
+  auto checked = run_process({"python3", std::string(lockstep::testing::source_dir()) + "/tests/scripts/check-timeline",
                               prefix + ".json", "2"});
   EXPECT_TRUE(checked.ok()) << checked.status() << "\n" << checked.output;
 }

@@ -43,6 +43,9 @@ inline const char* const kUsage = R"(usage: mnist_train [flags]
   --local-sgd H          LocalSGD: the replicas' parameters averaged every H steps
   --replica-ranks N      ranks per replica under --diloco and --local-sgd, which run DDP among
                          themselves every step (default 1: each rank a replica)
+  --autocast             forward and loss under bfloat16 autocast (lockstep::amp::Autocast)
+  --mixed-precision      DDP's mixed-precision policy: compute in bfloat16 on copies of the
+                         float32 parameters, gradients averaged in bfloat16
   --loss-log FILE        rank 0 appends "step loss" after each step
   --help                 this text
 )";
@@ -69,6 +72,8 @@ struct Flags {
   std::string save_parameters;
   bool batch_norm = false;
   bool sync_bn = false;
+  bool autocast = false;
+  bool mixed_precision = false;
   bool uneven = false;
   std::string comm_hook = "none";
   int64_t powersgd_rank = 1;
@@ -119,6 +124,10 @@ inline Flags parse_flags(int argc, char** argv) {
       }
     } else if (arg == "--zero") {
       flags.zero = true;
+    } else if (arg == "--autocast") {
+      flags.autocast = true;
+    } else if (arg == "--mixed-precision") {
+      flags.mixed_precision = true;
     } else if (arg == "--step-in-backward") {
       flags.step_in_backward = true;
     } else if (arg == "--seed") {

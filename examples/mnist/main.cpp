@@ -150,7 +150,11 @@ int run(const mnist::Flags& flags) {
   if (replicated) {
     groups = lockstep::replica_groups(world, static_cast<int>(flags.replica_ranks));
   }
-  lockstep::DDP<Net> ddp(model, groups ? groups->replica : world);
+  lockstep::DdpOptions ddp_options;
+  if (flags.mixed_precision) {
+    ddp_options.mixed_precision(lockstep::MixedPrecision().param_dtype(torch::kBFloat16));
+  }
+  lockstep::DDP<Net> ddp(model, groups ? groups->replica : world, ddp_options);
   std::optional<lockstep::PowerSGD> power_sgd;
   if (flags.comm_hook == "fp16") {
     ddp.register_comm_hook(lockstep::hooks::fp16_compress());
@@ -231,7 +235,15 @@ int run(const mnist::Flags& flags) {
       maybe_crash(world, epoch, step);
       lockstep::TimelineSpan step_span("training step");
       optimizer.zero_grad();
-      auto loss = torch::nll_loss(ddp(batch.data), batch.target);
+      torch::Tensor loss;
+      {
+        std::optional<lockstep::amp::Autocast> autocast;
+        if (flags.autocast) {
+          autocast.emplace(torch::kCPU, torch::kBFloat16);
+        }
+        // In float32 whatever the forward computed in.
+        loss = torch::nll_loss(ddp(batch.data).to(torch::kFloat), batch.target);
+      }
       loss.backward();
       if (across) {
         across->step();

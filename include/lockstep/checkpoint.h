@@ -24,6 +24,9 @@ class Optimizer;
 namespace lockstep {
 
 class PowerSGD;
+namespace amp {
+class GradScaler;
+} // namespace amp
 
 /// What a checkpoint carries beside the model and the optimizer.
 struct CheckpointExtra {
@@ -63,6 +66,9 @@ class CheckpointItems {
   /// matrices and each rank's own error feedback, gathered into the file),
   /// so that a resume continues exactly where the run stopped.
   CheckpointItems& hook_state(const std::string& name, PowerSGD& state);
+  /// A GradScaler's scale and growth tracker, so that a resumed run scales
+  /// as the stopped one would have.
+  CheckpointItems& grad_scaler(const std::string& name, amp::GradScaler& scaler);
 
   const std::vector<std::pair<std::string, torch::nn::Module*>>& modules() const {
     return modules_;
@@ -73,11 +79,15 @@ class CheckpointItems {
   const std::vector<std::pair<std::string, PowerSGD*>>& hook_states() const {
     return hook_states_;
   }
+  const std::vector<std::pair<std::string, amp::GradScaler*>>& grad_scalers() const {
+    return grad_scalers_;
+  }
 
  private:
   std::vector<std::pair<std::string, torch::nn::Module*>> modules_;
   std::vector<std::pair<std::string, torch::optim::Optimizer*>> optimizers_;
   std::vector<std::pair<std::string, PowerSGD*>> hook_states_;
+  std::vector<std::pair<std::string, amp::GradScaler*>> grad_scalers_;
 };
 
 /// Collective. Rank 0 writes the items' parameters, buffers and optimizer

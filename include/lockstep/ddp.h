@@ -5,6 +5,7 @@
 // backward, bucketed and overlapped with it.
 
 #include <memory>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -51,6 +52,21 @@ auto call_forward(ModuleType& module, Args&&... args) {
     return module.forward(std::forward<Args>(args)...);
   } else {
     return module->forward(std::forward<Args>(args)...);
+  }
+}
+
+// An argument of forward as the module receives it: a floating tensor in
+// the mixed-precision policy's dtype when there is one, anything else as
+// given.
+template <typename T>
+decltype(auto) cast_input(T&& arg, const std::optional<at::ScalarType>& dtype) {
+  if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor>) {
+    if (dtype && arg.defined() && arg.is_floating_point() && arg.scalar_type() != *dtype) {
+      return at::Tensor(arg.to(*dtype));
+    }
+    return at::Tensor(std::forward<T>(arg));
+  } else {
+    return std::forward<T>(arg);
   }
 }
 
@@ -126,7 +142,16 @@ class DistributedDataParallel {
   template <typename... Args>
   auto forward(Args&&... args) {
     reducer_->before_forward();
-    auto output = detail::call_forward(module_, std::forward<Args>(args)...);
+    auto dtype = reducer_->input_dtype();
+    auto output = [&] {
+      try {
+        return detail::call_forward(module_,
+                                    detail::cast_input(std::forward<Args>(args), dtype)...);
+      } catch (...) {
+        reducer_->forward_failed();
+        throw;
+      }
+    }();
     std::vector<at::Tensor> tensors;
     detail::collect_tensors(output, tensors);
     reducer_->after_forward(tensors);

@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <optional>
 
+#include <c10/core/ScalarType.h>
 #include <torch/arg.h>
 
 #include <lockstep/debug_level.h>
@@ -45,6 +46,29 @@ enum class Bypass {
   Ignore,
 };
 
+/// DDP's mixed-precision policy, as PyTorch's DDP(mixed_precision=...):
+/// forward and backward compute on 16-bit copies of the parameters, the
+/// gradients are averaged in `reduce_dtype`, and the optimizer steps the
+/// parameters themselves (the float32 masters). See docs/ddp.md, "Mixed
+/// precision".
+struct MixedPrecision {
+  /// What forward and backward compute in: every floating parameter is
+  /// cast to it before each forward (into a copy kept between steps), and
+  /// so is every floating tensor given to forward. From the forward to the
+  /// end of its backward the parameters hold these copies; then the masters
+  /// are back, with float32 gradients.
+  TORCH_ARG(at::ScalarType, param_dtype) = at::kBFloat16;
+  /// What the gradients are averaged in. Unset: param_dtype, as PyTorch. In
+  /// a 16-bit dtype each rank's gradient is divided by the world size and
+  /// rounded once, and the sum accumulates in float32 (as
+  /// hooks::bf16_compress); a communication hook then receives the bucket
+  /// in this dtype, as PyTorch's does.
+  TORCH_ARG(std::optional<at::ScalarType>, reduce_dtype);
+  /// Floating buffers (BatchNorm's statistics) are cast to it once, when the
+  /// wrapper is built. Unset: left as they are.
+  TORCH_ARG(std::optional<at::ScalarType>, buffer_dtype);
+};
+
 /// How DistributedDataParallel synchronises a module. Every field has the
 /// default that suits most models; docs/ddp.md compares each with PyTorch.
 struct DdpOptions {
@@ -79,6 +103,9 @@ struct DdpOptions {
   /// Detail here also turns on the world's comparison of collectives, on
   /// every rank alike, since every rank constructs the wrapper.
   TORCH_ARG(std::optional<DebugLevel>, debug);
+  /// Compute in 16 bits with float32 masters (MixedPrecision). Unset: every
+  /// tensor stays in its own dtype.
+  TORCH_ARG(std::optional<MixedPrecision>, mixed_precision);
 };
 
 } // namespace lockstep

@@ -25,6 +25,7 @@
 
 #include <cstdint>
 #include <map>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
@@ -72,6 +73,13 @@ class GradScaler {
   /// Sets the scale instead.
   void update(double new_scale);
 
+  /// For DistributedDataParallel::step_in_backward
+  /// (StepInBackwardOptions::grad_scaler): unscales the gradients of
+  /// `parameters` and returns whether any is inf or NaN. update() counts it
+  /// as one optimizer's step, taken or skipped; a second one before
+  /// update() is a UsageError.
+  bool unscale_for_step_in_backward(const std::vector<at::Tensor>& parameters);
+
   double get_scale() const;
   int64_t growth_tracker() const;
   bool is_enabled() const {
@@ -92,9 +100,13 @@ class GradScaler {
     Stage stage = Stage::Ready;
     bool found_inf = false;
   };
+  /// Divides the gradients by the scale; whether one was inf or NaN.
+  bool unscale_gradients(const std::vector<at::Tensor>& parameters) const;
+
   GradScalerOptions options_;
   float scale_;
   int64_t growth_tracker_ = 0;
+  // By optimizer; nullptr for the steps inside backward.
   std::map<const torch::optim::Optimizer*, PerOptimizer> per_optimizer_;
 };
 

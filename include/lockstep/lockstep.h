@@ -2,6 +2,7 @@
 
 // Umbrella header: everything a training program needs from lockstep.
 
+#include <lockstep/autocast.h>
 #include <lockstep/checkpoint.h>
 #include <lockstep/comm_hook.h>
 #include <lockstep/ddp.h>
@@ -11,6 +12,7 @@
 #include <lockstep/distributed_sampler.h>
 #include <lockstep/error.h>
 #include <lockstep/fault_tolerance.h>
+#include <lockstep/grad_scaler.h>
 #include <lockstep/join.h>
 #include <lockstep/power_sgd.h>
 #include <lockstep/rank_zero.h>

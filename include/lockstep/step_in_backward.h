@@ -19,6 +19,9 @@ class Optimizer;
 } // namespace torch::optim
 
 namespace lockstep {
+namespace amp {
+class GradScaler;
+} // namespace amp
 
 /// The per-parameter seam: steps `parameters`, whose .grad now holds the
 /// average over ranks (after clipping, when asked). Called on the thread
@@ -37,6 +40,24 @@ struct StepInBackwardOptions {
   /// gradient, so every bucket's average is awaited first and the steps no
   /// longer overlap the reduction of later buckets. Unset: no clipping.
   TORCH_ARG(std::optional<double>, max_grad_norm) = std::nullopt;
+
+ public:
+  /// Loss scaling (grad_scaler.h): the averaged gradients are unscaled, and
+  /// when any of them holds an inf or a NaN no parameter steps, on any rank
+  /// (every rank reads the same averages). The loop scales the loss and
+  /// calls scaler.update() after each synchronised backward. As with
+  /// clipping, every bucket's average is awaited before the first step.
+  /// Unset: no scaling.
+  StepInBackwardOptions& grad_scaler(amp::GradScaler* scaler) {
+    grad_scaler_ = scaler;
+    return *this;
+  }
+  amp::GradScaler* grad_scaler() const {
+    return grad_scaler_;
+  }
+
+ private:
+  amp::GradScaler* grad_scaler_ = nullptr;
 };
 
 /// Steps only `parameters` of `optimizer` (its other parameters' gradients

@@ -53,28 +53,11 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
                    "update().");
   LOCKSTEP_ENFORCE(state.stage != Stage::Stepped, UsageError,
                    "unscale_() is being called after step().");
-  auto inverse = static_cast<float>(1.0 / static_cast<double>(scale_));
-  bool found = false;
-  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> parameters;
   for (auto& group : optimizer.param_groups()) {
-    for (auto& parameter : group.params()) {
-      auto& grad = parameter.mutable_grad();
-      if (!grad.defined()) {
-        continue;
-      }
-      LOCKSTEP_ENFORCE(grad.scalar_type() != at::kHalf, UsageError,
-                       "Attempting to unscale FP16 gradients: keep the parameters in float32 "
-                       "(autocast, or DDP's mixed-precision policy, computes in 16 bits).");
-      if (grad.is_sparse()) {
-        grad = grad.coalesce();
-        found = found || !at::isfinite(grad._values()).all().item<bool>();
-        grad._values().mul_(inverse);
-        continue;
-      }
-      found = found || !at::isfinite(grad).all().item<bool>();
-      grad.mul_(at::scalar_tensor(inverse, grad.options().dtype(at::kFloat)));
-    }
+    parameters.insert(parameters.end(), group.params().begin(), group.params().end());
   }
+  bool found = unscale_gradients(parameters);
   // A ZeroRedundancyOptimizer's ranks must skip alike, whatever gradients
   // each of them reads.
   if (auto* sharded = dynamic_cast<detail::ShardedOptimizer*>(&optimizer)) {
@@ -84,6 +67,44 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   }
   state.found_inf = found;
   state.stage = Stage::Unscaled;
+}
+
+bool GradScaler::unscale_gradients(const std::vector<at::Tensor>& parameters) const {
+  auto inverse = static_cast<float>(1.0 / static_cast<double>(scale_));
+  bool found = false;
+  at::NoGradGuard no_grad;
+  for (auto parameter : parameters) {
+    auto& grad = parameter.mutable_grad();
+    if (!grad.defined()) {
+      continue;
+    }
+    LOCKSTEP_ENFORCE(grad.scalar_type() != at::kHalf, UsageError,
+                     "Attempting to unscale FP16 gradients: keep the parameters in float32 "
+                     "(autocast, or DDP's mixed-precision policy, computes in 16 bits).");
+    if (grad.is_sparse()) {
+      grad = grad.coalesce();
+      found = found || !at::isfinite(grad._values()).all().item<bool>();
+      grad._values().mul_(inverse);
+      continue;
+    }
+    found = found || !at::isfinite(grad).all().item<bool>();
+    grad.mul_(at::scalar_tensor(inverse, grad.options().dtype(at::kFloat)));
+  }
+  return found;
+}
+
+bool GradScaler::unscale_for_step_in_backward(const std::vector<at::Tensor>& parameters) {
+  if (!options_.enabled()) {
+    return false;
+  }
+  auto& state = per_optimizer_[nullptr];
+  LOCKSTEP_ENFORCE(state.stage == Stage::Ready, UsageError,
+                   "a second synchronised backward stepped inside backward without "
+                   "scaler.update() in between: call scaler.update() after each backward "
+                   "whose optimizer steps inside it (StepInBackwardOptions::grad_scaler).");
+  state.found_inf = unscale_gradients(parameters);
+  state.stage = Stage::Stepped;
+  return state.found_inf;
 }
 
 bool GradScaler::step(torch::optim::Optimizer& optimizer) {

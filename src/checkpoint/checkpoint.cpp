@@ -74,6 +74,12 @@ CheckpointItems& CheckpointItems::hook_state(const std::string& name, PowerSGD& 
   return *this;
 }
 
+CheckpointItems& CheckpointItems::grad_scaler(const std::string& name,
+                                              amp::GradScaler& scaler) {
+  add_item(grad_scalers_, "grad scaler", name, scaler);
+  return *this;
+}
+
 void save_checkpoint(
     World& world,
     const std::string& path,

@@ -7,6 +7,7 @@
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
+#include <lockstep/grad_scaler.h>
 #include <lockstep/power_sgd.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
@@ -157,6 +158,13 @@ void serialize_checkpoint(const CheckpointItems& items,
   for (size_t rank = 0; rank < generator_states.size(); ++rank) {
     archive.write("rng/" + std::to_string(rank), generator_states[rank]);
   }
+  // Every rank's scaler holds the same scale: rank 0's is written.
+  archive.write("grad_scalers", c10::IValue(join(names(items.grad_scalers()))));
+  for (const auto& [name, scaler] : items.grad_scalers()) {
+    torch::serialize::OutputArchive scaler_archive;
+    scaler->save(scaler_archive);
+    archive.write("grad_scaler/" + name, scaler_archive);
+  }
   archive.write("hooks", c10::IValue(join(names(items.hook_states()))));
   for (size_t rank = 0; rank < hook_states.size(); ++rank) {
     archive.write("hooks/" + std::to_string(rank), hook_states[rank]);
@@ -232,6 +240,12 @@ RestoredCheckpoint restore_checkpoint(const std::string& path,
     expect_names(lines_of(value.toStringRef()), names(items.modules()), "module", path);
     archive.read("optimizers", value);
     expect_names(lines_of(value.toStringRef()), names(items.optimizers()), "optimizer", path);
+    // The scalers' names are checked before anything is loaded.
+    std::vector<std::string> saved_scalers;
+    if (archive.try_read("grad_scalers", value)) {
+      saved_scalers = lines_of(value.toStringRef());
+    }
+    expect_names(saved_scalers, names(items.grad_scalers()), "grad scaler", path);
     for (const auto& [name, module] : items.modules()) {
       read_module(archive, "module/" + name + "/", *module, path, " of module '" + name + "'");
     }
@@ -247,8 +261,15 @@ RestoredCheckpoint restore_checkpoint(const std::string& path,
     }
     restore_hook_states(archive, path, items, rank, world_size, restored.generator_ranks,
                         device);
+    for (const auto& [name, scaler] : items.grad_scalers()) {
+      torch::serialize::InputArchive scaler_archive;
+      archive.read("grad_scaler/" + name, scaler_archive);
+      scaler->load(scaler_archive);
+    }
   } else {
     // The first layout: one module and one optimizer, rank 0's generator.
+    LOCKSTEP_ENFORCE(items.grad_scalers().empty(), CheckpointError, path, " is of the first "
+                     "layout (one model and one optimizer), which holds no grad scaler.");
     LOCKSTEP_ENFORCE(items.modules().size() == 1 && items.optimizers().size() <= 1,
                      CheckpointError, path, " holds one model and one optimizer, under no "
                      "names; load it with one module and one optimizer.");

@@ -15,8 +15,9 @@
 
 #include <lockstep/error.h>
 
-namespace lockstep::hooks {
-namespace {
+#include "hooks/compress_hooks.h"
+
+namespace lockstep::detail {
 
 CommHook compress_to(at::ScalarType wire) {
   // Per bucket, the 16-bit tensor that travels, made by World::allocate
@@ -66,7 +67,12 @@ CommHook wrap_in(at::ScalarType wire, CommHook inner) {
   };
 }
 
-} // namespace
+} // namespace lockstep::detail
+
+namespace lockstep::hooks {
+
+using detail::compress_to;
+using detail::wrap_in;
 
 CommHook fp16_wrapper(CommHook inner) {
   return wrap_in(at::kHalf, std::move(inner));

@@ -195,6 +195,7 @@ void Reducer::State::launch_ready_buckets(bool include_last) {
 
 void Reducer::State::finalize() {
   std::lock_guard<std::mutex> lock(mutex);
+  restore_masters(); // before any step, and before the gradients are read
   struct CloseIteration {
     State& state;
     ~CloseIteration() {

@@ -10,6 +10,7 @@
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/optimizer.h>
 
+#include <lockstep/grad_scaler.h>
 #include <lockstep/zero_redundancy_optimizer.h>
 
 #include "reducer/reducer_state.h"
@@ -75,7 +76,8 @@ void Reducer::step_in_backward(torch::optim::Optimizer& optimizer,
 }
 
 bool Reducer::State::steps_each_bucket() const {
-  return in_backward_step && !comm_hook && !in_backward_step->options.max_grad_norm();
+  return in_backward_step && !comm_hook && !in_backward_step->options.max_grad_norm() &&
+         in_backward_step->options.grad_scaler() == nullptr;
 }
 
 bool Reducer::State::steps_when_shadowing() const {
@@ -121,6 +123,43 @@ void Reducer::State::step_parameters_of(const std::vector<size_t>& indices) {
 void Reducer::State::finish_steps() {
   auto& stepping = *in_backward_step;
   stepping.stepped.resize(params.size(), 0);
+  auto* scaler = stepping.options.grad_scaler();
+  if (scaler == nullptr || !unscale_found_inf(*scaler)) {
+    step_all_parameters();
+  }
+  // A rank that ran out of batches (join.cpp) has no loop left to call
+  // update(): it updates here, as the others do after this backward, so
+  // that its scale stays theirs.
+  if (scaler != nullptr && backward.shadowing) {
+    scaler->update();
+  }
+}
+
+bool Reducer::State::unscale_found_inf(amp::GradScaler& scaler) {
+  // Every rank reads the same averages, so every rank finds the same inf
+  // and skips alike, without a collective. Only what this optimizer steps
+  // is unscaled: another optimizer's parameters are its scaler.step's.
+  const auto& freed = in_backward_step->freed;
+  std::vector<at::Tensor> stepped_here;
+  for (const auto& param : params) {
+    if (freed.empty() || freed.count(param.unsafeGetTensorImpl()) > 0) {
+      stepped_here.push_back(param);
+    }
+  }
+  if (!scaler.unscale_for_step_in_backward(stepped_here)) {
+    return false;
+  }
+  // Skipped: the inf goes with the gradients, as they would have gone once
+  // stepped, so that the next backward does not add to it.
+  for (auto& param : stepped_here) {
+    param.mutable_grad().reset();
+  }
+  note_parameter_versions();
+  return true;
+}
+
+void Reducer::State::step_all_parameters() {
+  auto& stepping = *in_backward_step;
   if (stepping.options.max_grad_norm()) {
     torch::nn::utils::clip_grad_norm_(params, *stepping.options.max_grad_norm());
   }

@@ -97,6 +97,12 @@ void Reducer::enter_join(const JoinOptions& options) {
   LOCKSTEP_ENFORCE(!state.joining, UsageError,
                    "a join guard is already active for this DistributedDataParallel; "
                    "one guard around the training loop is enough.");
+  LOCKSTEP_ENFORCE(
+      options.divide_by_initial_world_size() || !state.comm_hook, UsageError,
+      "JoinOptions::divide_by_initial_world_size(false) divides by the ranks still training, "
+      "which a communication hook does not know (nor a 16-bit reduce_dtype of the "
+      "mixed-precision policy, which travels through one): it divides by the world size. "
+      "Keep the default, or do without the hook.");
   state.joining = State::Joining{options, {}, false};
 }
 

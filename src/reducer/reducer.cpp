@@ -16,6 +16,7 @@
 
 #include <lockstep/sync_batch_norm.h>
 
+#include "hooks/compress_hooks.h"
 #include "reducer/bucket_cap.h"
 #include "reducer/graph_walk.h"
 #include "reducer/model_state.h"
@@ -42,6 +43,9 @@ Reducer::Reducer(torch::nn::Module& module, World world, DdpOptions options)
       ConfigError, "bucket caps must not be negative (bucket_cap_mb=",
       options.bucket_cap_mb().value_or(0), ", first_bucket_cap_mb=",
       options.first_bucket_cap_mb(), ").");
+  if (options.mixed_precision()) {
+    check_mixed_precision(*options.mixed_precision());
+  }
   DebugLevel level = options.debug().value_or(state.world.debug());
   state.info = level != DebugLevel::Off;
   if (level == DebugLevel::Detail) {
@@ -95,6 +99,9 @@ Reducer::Reducer(torch::nn::Module& module, World world, DdpOptions options)
     state.buffer_versions.push_back(buffer._version());
   }
   state.find_buffers_in_step(module);
+  if (options.mixed_precision()) {
+    state.set_up_mixed_precision(*options.mixed_precision());
+  }
 
   state.used_since_sync.assign(state.params.size(), 0);
   state.active_ranks = state.world.size();
@@ -266,6 +273,11 @@ void Reducer::before_forward() {
       state.forwards % state.options.verify_every() == 0) {
     state.tolerate([&] { state.check_replicas(ReplicaCheck::All); });
   }
+  // Last, once nothing here can raise: the checks above read the masters.
+  if (state.mixed_precision) {
+    state.compute_in_copies();
+    state.rehook_replaced_accumulators();
+  }
 }
 
 void Reducer::State::require_before_first_forward(const char* call, const char* why) const {
@@ -282,10 +294,32 @@ void Reducer::register_comm_hook(CommHook hook) {
   state.require_before_first_forward(
       "register_comm_hook", "the ranks must agree on how every bucket travels from the first "
       "iteration on");
-  LOCKSTEP_ENFORCE(!state.comm_hook, UsageError, "a communication hook is already registered; "
-                   "one per DistributedDataParallel, as in PyTorch. Compose hooks in one "
-                   "instead.");
-  state.comm_hook = std::move(hook);
+  LOCKSTEP_ENFORCE(!state.comm_hook || state.comm_hook_is_policys, UsageError,
+                   "a communication hook is already registered; one per "
+                   "DistributedDataParallel, as in PyTorch. Compose hooks in one instead.");
+  LOCKSTEP_ENFORCE(
+      !state.joining || state.joining->options.divide_by_initial_world_size(), UsageError,
+      "a communication hook divides by the world size, and the join guard in place divides "
+      "by the ranks still training (divide_by_initial_world_size(false)). Keep the join's "
+      "default, or do without the hook.");
+  // Under a mixed-precision policy the hook receives the bucket in
+  // reduce_dtype, as PyTorch's does.
+  const auto& mp = state.mixed_precision;
+  state.comm_hook = mp && mp->reduce ? wrap_in(*mp->reduce, std::move(hook)) : std::move(hook);
+  state.comm_hook_is_policys = false;
+}
+
+void Reducer::forward_failed() {
+  auto& state = *state_;
+  std::lock_guard<std::mutex> lock(state.mutex);
+  if (state.mixed_precision && state.mixed_precision->swapped_at_forward == state.forwards) {
+    state.restore_masters();
+  }
+}
+
+std::optional<at::ScalarType> Reducer::input_dtype() const {
+  const auto& mp = state_->mixed_precision;
+  return mp ? std::optional<at::ScalarType>(mp->compute) : std::nullopt;
 }
 
 void Reducer::after_forward(const std::vector<at::Tensor>& outputs) {
@@ -300,6 +334,11 @@ void Reducer::after_forward(const std::vector<at::Tensor>& outputs) {
   state.stats.last.forward_ms = forward_ms;
   state.stats.total.forward_ms += forward_ms;
   if (!at::GradMode::is_enabled()) {
+    // No backward follows to end this forward (unless one of an earlier
+    // forward is pending, which keeps the copies it computed with).
+    if (state.mixed_precision && state.mixed_precision->swapped_at_forward == state.forwards) {
+      state.restore_masters();
+    }
     return;
   }
   state.hook_outputs(outputs);

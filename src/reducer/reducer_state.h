@@ -35,6 +35,10 @@ inline double ms_between(Clock::time_point from, Clock::time_point to) {
   return std::chrono::duration<double, std::milli>(to - from).count();
 }
 
+/// Raises ConfigError for a policy that names a dtype that is not floating
+/// (before any collective).
+void check_mixed_precision(const MixedPrecision& policy);
+
 struct Reducer::State : std::enable_shared_from_this<State> {
   State(World world_in, DdpOptions options_in)
       : world(std::move(world_in)), options(options_in) {}
@@ -133,6 +137,22 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   int64_t timed_forward = 0;
   // How buckets travel besides the built-in all-reduce (comm_hook.h).
   CommHook comm_hook;
+  // Whether comm_hook is the mixed-precision policy's cast to reduce_dtype
+  // alone (a user's hook may still be registered: it is then wrapped).
+  bool comm_hook_is_policys = false;
+  // DdpOptions::mixed_precision (mixed_precision.cpp): from a forward to the
+  // end of its backward, the floating parameters hold 16-bit copies, and
+  // `masters` their own data.
+  struct MixedPrecisionCopies {
+    at::ScalarType compute = at::kBFloat16;
+    std::optional<at::ScalarType> reduce; // unset: the masters' own dtype
+    std::vector<at::Tensor> params;       // floating, trainable or not
+    std::vector<at::Tensor> masters;
+    std::vector<at::Tensor> copies;
+    bool swapped = false;
+    int64_t swapped_at_forward = 0; // the forward that swapped them in
+  };
+  std::optional<MixedPrecisionCopies> mixed_precision;
   // ddp.step_in_backward (in_backward_step.cpp).
   struct InBackwardStep {
     ParameterStep step;
@@ -206,6 +226,15 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   /// yet: what every rank must set up alike from the first iteration on.
   /// "`call` must come before the first forward, ...: `why`."
   void require_before_first_forward(const char* call, const char* why) const;
+  /// Checks and sets up the mixed-precision policy (casts the buffers).
+  void set_up_mixed_precision(const MixedPrecision& policy);
+  /// Before a forward: the parameters take their 16-bit copies, cast from
+  /// the masters.
+  void compute_in_copies();
+  /// At the end of backward (and after a forward without autograd): the
+  /// parameters take their masters back, and 16-bit gradients become
+  /// float32.
+  void restore_masters();
   /// Hooks the accumulators of params[first...].
   void install_hooks(size_t first);
   /// Hooks the gradient accumulator of params[index]; returns it (held, or
@@ -260,8 +289,13 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   std::vector<double> wait_writing_back_and_stepping();
   void step_parameters_of(const std::vector<size_t>& indices);
   /// After write-back: steps what has not stepped in this iteration
-  /// (clipping first when asked), then notes each parameter's version.
+  /// (unscaling and clipping first when asked), then notes each
+  /// parameter's version.
   void finish_steps();
+  void step_all_parameters();
+  /// StepInBackwardOptions::grad_scaler: unscales the optimizer's
+  /// gradients; true (and those gradients freed) where one is inf or NaN.
+  bool unscale_found_inf(amp::GradScaler& scaler);
   /// Before a forward: raises if a parameter changed in place since the
   /// last step inside backward (optimizer.step() called as well).
   void check_no_step_outside() const;

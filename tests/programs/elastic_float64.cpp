@@ -18,6 +18,7 @@
 // optimizer.step); or, in forward, hang (its training thread sleeps for
 // ever; its heartbeat goes on) or throw (an exception that main catches,
 // exiting with 1 as C++ programs do).
+// The loss is scaled by a lockstep::amp::GradScaler, registered too.
 // The learning rate follows a StepLR (halved every 50 steps) whose step
 // count is registered with FaultTolerance::register_state, so that a rank
 // that rejoins continues the schedule (unless
@@ -148,6 +149,14 @@ int train(int argc, char** argv) {
           scheduler->step();
         }
       });
+  // Loss scaling, its state registered as PyTorch's docs ask: a rank that
+  // rejoins scales as the others do. Powers of two, so that scaling and
+  // unscaling leave every float64 gradient exact (the reference does
+  // without).
+  lockstep::amp::GradScaler scaler(lockstep::amp::GradScalerOptions().growth_interval(20));
+  ft.register_state(
+      "scaler", [&](torch::serialize::OutputArchive& archive) { scaler.save(archive); },
+      [&](torch::serialize::InputArchive& archive) { scaler.load(archive); });
   model->fc1->weight.register_hook([&](torch::Tensor grad) {
     maybe_die("backward");
     return grad;
@@ -170,7 +179,7 @@ int train(int argc, char** argv) {
     maybe_die("forward");
     auto error = ddp(inputs.index_select(0, index)) - targets.index_select(0, index);
     auto loss = error.pow(2).mean();
-    loss.backward();
+    scaler.scale(loss).backward();
     maybe_die("commit");
     auto figures = torch::stack({error.detach().pow(2).sum(),
                                  torch::tensor(static_cast<double>(index.numel()), torch::kDouble)});
@@ -179,7 +188,8 @@ int train(int argc, char** argv) {
       continue;
     }
     maybe_die("step");
-    optimizer.step();
+    scaler.step(optimizer);
+    scaler.update();
     scheduler->step();
     ++scheduled;
     double sum = 0;
@@ -203,10 +213,11 @@ int train(int argc, char** argv) {
         .write(static_cast<const char*>(flat.data_ptr()), flat.numel() * sizeof(double));
   }
   auto stats = ft.stats();
-  std::printf("elastic_float64: rank %d: %lld steps, %lld dropped, %lld world(s) formed\n",
+  std::printf("elastic_float64: rank %d: %lld steps, %lld dropped, %lld world(s) formed, "
+              "loss scale %.17g\n",
               replica, static_cast<long long>(ft.step()),
               static_cast<long long>(stats.aborted_steps),
-              static_cast<long long>(stats.worlds_formed));
+              static_cast<long long>(stats.worlds_formed), scaler.get_scale());
   return 0;
 }
 

@@ -5,11 +5,12 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+#include "support/paths.h"
 
 namespace lockstep::testing {
 
 std::string documented_message(const std::string& name) {
-  std::ifstream file(LOCKSTEP_SOURCE_DIR "/docs/troubleshooting.md");
+  std::ifstream file(std::string(lockstep::testing::source_dir()) + "/docs/troubleshooting.md");
   std::stringstream text;
   text << file.rdbuf();
   std::string page = text.str();

@@ -5,13 +5,14 @@
 
 #include <cstdlib>
 #include <string>
+#include "support/paths.h"
 
 namespace lockstep::testing {
 
 /// The MNIST IDX files: $LOCKSTEP_DATA_DIR/mnist, else the checkout's.
 inline std::string mnist_dir() {
   const char* root = std::getenv("LOCKSTEP_DATA_DIR");
-  return (root ? std::string(root) : std::string(LOCKSTEP_SOURCE_DIR) + "/data") + "/mnist";
+  return (root ? std::string(root) : std::string(lockstep::testing::source_dir()) + "/data") + "/mnist";
 }
 
 /// How many times `part` occurs in `text` (overlapping ones too).

@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -39,6 +40,12 @@ class Reducer {
   void before_forward();
   /// `outputs` are the forward's output tensors, for find_unused_parameters.
   void after_forward(const std::vector<at::Tensor>& outputs);
+  /// What forward's floating tensor arguments are cast to: the
+  /// mixed-precision policy's param_dtype, when there is one.
+  std::optional<at::ScalarType> input_dtype() const;
+  /// The module's forward raised: the parameters take back what they held
+  /// before it (their masters, under a mixed-precision policy).
+  void forward_failed();
 
   /// Whether backward passes average gradients (false under no_sync()).
   void set_sync_enabled(bool enabled);
