@@ -279,10 +279,6 @@ void run(World& world, ModelType model, const std::string& model_name,
   }
   if (!precision.empty()) {
     reported += "_" + precision;
-    if (ddp && world.rank() == 0) {
-      std::fprintf(stderr, "bytes,%s,%s,%lld\n", model_name.c_str(), reported.c_str(),
-                   static_cast<long long>(ddp->stats().last.bytes_reduced));
-    }
   }
   if (diloco_setting != nullptr) {
     reported += "_diloco_h" + std::to_string(sync_every) + "_f" + std::to_string(fragment_count) +
@@ -307,6 +303,9 @@ void run(World& world, ModelType model, const std::string& model_name,
   }
   if (!hook_name.empty()) {
     reported += "_" + hook_name.substr(0, hook_name.find(':'));
+  }
+  // What one iteration reduced, where a hook or the policy shapes it.
+  if (ddp && (!hook_name.empty() || !precision.empty())) {
     if (world.rank() == 0) {
       std::fprintf(stderr, "bytes,%s,%s,%lld\n", model_name.c_str(), reported.c_str(),
                    static_cast<long long>(ddp->stats().last.bytes_reduced));
