@@ -108,17 +108,27 @@ struct TransformerImpl : torch::nn::Module {
       down.push_back(register_module(name + "down", torch::nn::Linear(4 * kWidth, kWidth)));
     }
   }
+  // The layers run through torch::linear (aten::linear, as Python's
+  // F.linear), not torch::nn::Linear's forward: the C++ frontend's
+  // functional linear turns an input of more than 2 dimensions into matmul
+  // and an in-place bias add, 1.2x slower here in float32, and under
+  // autocast a bfloat16 product plus a float32 bias added in place
+  // (docs/troubleshooting.md). unbind, as Python's `q, k, v = parts`.
+  static torch::Tensor linear(const torch::nn::Linear& layer, const torch::Tensor& x) {
+    return torch::linear(x, layer->weight, layer->bias);
+  }
   torch::Tensor forward(torch::Tensor ids) {
     auto x = embedding(ids);
     int64_t batch = x.size(0), tokens = x.size(1), depth = kWidth / kHeads;
     for (size_t i = 0; i < qkv.size(); ++i) {
-      auto parts = qkv[i](norm1[i](x))
+      auto parts = linear(qkv[i], norm1[i](x))
                        .view({batch, tokens, 3, kHeads, depth})
-                       .permute({2, 0, 3, 1, 4});
+                       .permute({2, 0, 3, 1, 4})
+                       .unbind(0);
       auto scores = parts[0].matmul(parts[1].transpose(-2, -1)) / std::sqrt(double(depth));
       auto attended = torch::softmax(scores, -1).matmul(parts[2]);
-      x = x + proj[i](attended.transpose(1, 2).reshape({batch, tokens, kWidth}));
-      x = x + down[i](torch::gelu(up[i](norm2[i](x))));
+      x = x + linear(proj[i], attended.transpose(1, 2).reshape({batch, tokens, kWidth}));
+      x = x + linear(down[i], torch::gelu(linear(up[i], norm2[i](x))));
     }
     return head(x.mean(1));
   }

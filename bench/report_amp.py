@@ -49,7 +49,7 @@ lines = [
     "gradients under autocast, bfloat16 under its policy). PyTorch's DDP",
     "mixed_precision does not run on the CPU (it makes a torch.Stream: \"Tried to",
     "instantiate dummy base class Stream\"), hence failed. OpenBLAS kernels:",
-    f"{coretype} (OPENBLAS_CORETYPE).",
+    f"{coretype}.",
     "",
     "| model | precision | lockstep ms | PyTorch ms | lockstep / PyTorch | vs float32 | lockstep RSS MiB | PyTorch RSS MiB | reduced MB |",
     "|---|---|---|---|---|---|---|---|---|",
