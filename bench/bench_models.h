@@ -111,7 +111,7 @@ struct TransformerImpl : torch::nn::Module {
   // The layers run through torch::linear (aten::linear, as Python's
   // F.linear), not torch::nn::Linear's forward: the C++ frontend's
   // functional linear turns an input of more than 2 dimensions into matmul
-  // and an in-place bias add, 1.2x slower here in float32, and under
+  // and an in-place bias add, about 1.1x slower here in float32, and under
   // autocast a bfloat16 product plus a float32 bias added in place
   // (docs/troubleshooting.md). unbind, as Python's `q, k, v = parts`.
   static torch::Tensor linear(const torch::nn::Linear& layer, const torch::Tensor& x) {
