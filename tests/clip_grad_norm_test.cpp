@@ -1,6 +1,6 @@
 // lockstep::clip_grad_norm_ over gradients sharded across the ranks: whole
-// parameters on some ranks, slices of one parameter on every rank, and a
-// rank that holds nothing. Each rank's clipped shard must equal the same
+// parameters on some ranks, slices of two parameters over the ranks (empty
+// slices among them), and a rank that holds nothing. Each rank's clipped shard must equal the same
 // part of torch::nn::utils::clip_grad_norm_ on one process holding every
 // gradient, in float64, and the norm returned must be the same on every
 // rank; at 1 to 4 ranks over shared memory and Gloo, for the 1-, 2-, 3-
@@ -51,20 +51,22 @@ std::vector<torch::Tensor> leaves_with(const std::vector<torch::Tensor>& grads) 
   return leaves;
 }
 
-// Rank r's shard: the first parameter sliced along dim 0 over every rank
-// (FSDP's way), the others whole on one rank each. From 3 ranks on, the last
-// rank holds only its slice, and at 4 ranks the slice of the last rank is
-// empty: a rank may hold nothing.
+// Rank r's shard: the first parameter sliced along dim 0 over the ranks
+// (FSDP's way), the fourth (one element) too, so that every rank but the
+// first holds an empty slice of it, and the others whole on one rank each.
+// At 4 ranks the last holds nothing at all.
 std::vector<torch::Tensor> shard_of(const std::vector<torch::Tensor>& grads, int rank,
                                     int world_size) {
+  int holders = world_size == 4 ? 3 : world_size;
   std::vector<torch::Tensor> shard;
-  auto slices = grads[0].tensor_split(world_size == 4 ? 3 : world_size, 0);
-  if (rank < static_cast<int>(slices.size())) {
-    shard.push_back(slices[rank]);
+  for (size_t sliced : {size_t{0}, size_t{3}}) {
+    auto slices = grads[sliced].tensor_split(holders, 0);
+    if (rank < holders) {
+      shard.push_back(slices[static_cast<size_t>(rank)]);
+    }
   }
-  int holders = world_size >= 3 ? world_size - 1 : world_size;
   for (size_t i = 1; i < grads.size(); ++i) {
-    if (static_cast<int>(i) % holders == rank) {
+    if (i != 3 && static_cast<int>(i) % holders == rank) {
       shard.push_back(grads[i]);
     }
   }
@@ -147,7 +149,7 @@ TEST(ClipGradNormErrors, ANanOnOneRankAndABadNormTypeReachEveryRank) {
             clip_grad_norm_(mine, 1.0, world,
                             ClipGradNormOptions().norm_type(p).error_if_nonfinite(true));
           },
-          {"is non-finite, so it cannot be clipped", "error_if_nonfinite(false)"});
+          {"is non-finite, so it cannot be clipped", "`error_if_nonfinite=false`"});
       double norm = clip_grad_norm_(mine, 1.0, world, ClipGradNormOptions().norm_type(p));
       EXPECT_TRUE(std::isnan(norm)) << "p = " << p;
       EXPECT_TRUE(mine[0].grad().isnan().all().item<bool>()) << "p = " << p;
@@ -157,6 +159,21 @@ TEST(ClipGradNormErrors, ANanOnOneRankAndABadNormTypeReachEveryRank) {
       expect_error<UsageError>(
           [&] { clip_grad_norm_(mine, 1.0, world, ClipGradNormOptions().norm_type(p)); },
           {"clip_grad_norm_: norm_type", "is not supported"});
+    }
+    // A rank that cannot take its norm (a sparse gradient's largest
+    // magnitude) raises its own error; the others raise too, not wait.
+    auto sparse = mine;
+    if (rank == 2) {
+      sparse.push_back(torch::zeros({4}, torch::kDouble).requires_grad_(true));
+      sparse.back().mutable_grad() = torch::ones({4}, torch::kDouble).to_sparse();
+      EXPECT_ANY_THROW(clip_grad_norm_(sparse, 1.0, world,
+                                       ClipGradNormOptions().norm_type(kInfinity)));
+    } else {
+      expect_error<UsageError>(
+          [&] {
+            clip_grad_norm_(sparse, 1.0, world, ClipGradNormOptions().norm_type(kInfinity));
+          },
+          {"another rank could not take the norm of its gradients"});
     }
     // The world is still in step: a collective after the refusals.
     auto one = torch::ones({1});

@@ -18,7 +18,8 @@ namespace lockstep {
 
 struct ClipGradNormOptions {
   /// The p of the p-norm: any finite p > 0, or infinity for the largest
-  /// magnitude, as torch::nn::utils::clip_grad_norm_ takes it.
+  /// magnitude. (torch::nn::utils::clip_grad_norm_ also takes 0, which
+  /// counts the gradients, and negative p; refused here with UsageError.)
   TORCH_ARG(double, norm_type) = 2.0;
   /// Raise (c10::Error, on every rank alike) instead of clipping when the
   /// total norm is infinite or NaN.
@@ -30,8 +31,11 @@ struct ClipGradNormOptions {
 /// gradients together, scales every gradient by max_norm / (norm + 1e-6)
 /// where that is below 1, and returns the total norm, the same on every
 /// rank: what torch::nn::utils::clip_grad_norm_ does on one process holding
-/// every gradient, to within rounding (the sum over ranks is taken in
-/// float64). Parameters without a gradient are skipped, as there.
+/// every gradient: within float64 rounding for float64 gradients; for
+/// float32 ones the total is summed in float64, where torch combines the
+/// norms in float32, so the two differ at float32 rounding. Parameters
+/// without a gradient are skipped, as there. A failure on one rank (a
+/// sparse gradient's largest magnitude, say) raises on every rank.
 double clip_grad_norm_(const std::vector<at::Tensor>& parameters,
                        double max_norm,
                        World& world,
