@@ -123,4 +123,12 @@ void Reducer::State::restore_masters() {
   rehook_replaced_accumulators();
 }
 
+void Reducer::State::restore_masters_of_this_forward() {
+  // A copy swapped in by an earlier forward whose backward is pending stays:
+  // that backward computes with it.
+  if (mixed_precision && mixed_precision->swapped_at_forward == forwards) {
+    restore_masters();
+  }
+}
+
 } // namespace lockstep::detail

@@ -312,9 +312,7 @@ void Reducer::register_comm_hook(CommHook hook) {
 void Reducer::forward_failed() {
   auto& state = *state_;
   std::lock_guard<std::mutex> lock(state.mutex);
-  if (state.mixed_precision && state.mixed_precision->swapped_at_forward == state.forwards) {
-    state.restore_masters();
-  }
+  state.restore_masters_of_this_forward();
 }
 
 std::optional<at::ScalarType> Reducer::input_dtype() const {
@@ -334,11 +332,8 @@ void Reducer::after_forward(const std::vector<at::Tensor>& outputs) {
   state.stats.last.forward_ms = forward_ms;
   state.stats.total.forward_ms += forward_ms;
   if (!at::GradMode::is_enabled()) {
-    // No backward follows to end this forward (unless one of an earlier
-    // forward is pending, which keeps the copies it computed with).
-    if (state.mixed_precision && state.mixed_precision->swapped_at_forward == state.forwards) {
-      state.restore_masters();
-    }
+    // No backward follows to end this forward.
+    state.restore_masters_of_this_forward();
     return;
   }
   state.hook_outputs(outputs);

@@ -235,6 +235,9 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   /// parameters take their masters back, and 16-bit gradients become
   /// float32.
   void restore_masters();
+  /// restore_masters where the current forward swapped the copies in: its
+  /// module raised, or it ran without autograd.
+  void restore_masters_of_this_forward();
   /// Hooks the accumulators of params[first...].
   void install_hooks(size_t first);
   /// Hooks the gradient accumulator of params[index]; returns it (held, or
