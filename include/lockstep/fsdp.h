@@ -1,0 +1,217 @@
+#pragma once
+
+// FullyShardedDataParallel (ZeRO stage 3): each rank holds 1/N of every
+// parameter, of its gradient and of the optimizer's state. A unit's full
+// parameters exist only while the unit computes: gathered before its
+// forward, freed after it, gathered again before its backward; its
+// gradients are then reduce-scattered into the ranks' shards and freed.
+//
+// LibTorch modules have no forward hooks, so a unit is declared where the
+// model holds it, with lockstep::Sharded in place of the block's holder:
+//
+//   struct NetImpl : torch::nn::Module {
+//     NetImpl() {
+//       for (int i = 0; i < 4; ++i) {
+//         blocks.push_back(register_module("block" + std::to_string(i),
+//                                          lockstep::Sharded<Block>(256)));
+//       }
+//       head = register_module("head", torch::nn::Linear(256, 10));
+//     }
+//     torch::Tensor forward(torch::Tensor x) {
+//       for (auto& block : blocks) x = block(x);   // gathers, runs, frees
+//       return head(x);
+//     }
+//     std::vector<lockstep::Sharded<Block>> blocks;
+//     torch::nn::Linear head{nullptr};
+//   };
+//
+//   lockstep::FullyShardedDataParallel<Net> fsdp(Net(), world);
+//   torch::optim::AdamW optimizer(fsdp.parameters(), torch::optim::AdamWOptions(1e-3));
+//   optimizer.zero_grad();
+//   torch::nll_loss(fsdp(x), y).backward();     // each rank its own batch
+//   optimizer.step();                           // steps this rank's shard
+//
+// What no unit holds (head above) is the root unit: gathered at the
+// wrapper's forward and freed at the end of backward. Outside the wrapper
+// (a plain process, the one-process reference of a test) a Sharded block
+// is the block itself. See docs/ddp.md, "When the model does not fit".
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/arg.h>
+#include <torch/ordered_dict.h>
+
+#include <lockstep/ddp.h>
+#include <lockstep/world.h>
+
+namespace lockstep {
+
+struct FsdpOptions {
+  /// Free a unit's full parameters after its forward and gather them again
+  /// before its backward (FSDP2's reshard_after_forward). False keeps them
+  /// from the forward to the unit's backward: one gather less per step, the
+  /// memory of every unit's parameters at the end of forward.
+  TORCH_ARG(bool, reshard_after_forward) = true;
+};
+
+namespace detail {
+
+/// What a unit's Sharded holder calls around the block's forward.
+class UnitHooks {
+ public:
+  virtual ~UnitHooks() = default;
+  virtual void before_forward() = 0;
+  virtual void forward_failed() = 0;
+  /// `outputs` as collect_tensors makes them (an undefined tensor for an
+  /// output of another type).
+  virtual void after_forward(const std::vector<at::Tensor>& outputs) = 0;
+};
+
+/// Marks `module` as a unit (Sharded's constructors do).
+void declare_unit(const std::shared_ptr<torch::nn::Module>& module);
+bool is_declared_unit(const torch::nn::Module& module);
+/// The hooks of the wrapper that shards `module`, or null outside one.
+std::shared_ptr<UnitHooks> hooks_of_unit(const torch::nn::Module& module);
+
+/// The part of FullyShardedDataParallel that does not depend on the
+/// module's type (src/fsdp/).
+class ShardedModel {
+ public:
+  /// Collective: rank 0's parameters and buffers reach every rank, then each
+  /// rank keeps its shard and frees the rest.
+  ShardedModel(torch::nn::Module& module, World world, FsdpOptions options);
+  ~ShardedModel();
+  ShardedModel(const ShardedModel&) = delete;
+  ShardedModel& operator=(const ShardedModel&) = delete;
+
+  void before_forward();
+  void forward_failed();
+  void after_forward(const std::vector<at::Tensor>& outputs);
+  /// This rank's piece of every parameter that it holds a part of: leaf
+  /// tensors that an optimizer steps, their gradients the averages.
+  std::vector<at::Tensor> parameters() const;
+  /// The same pieces under their parameters' names.
+  torch::OrderedDict<std::string, at::Tensor> named_parameters() const;
+  /// Collective: a copy of every parameter in full, by name, on every rank.
+  torch::OrderedDict<std::string, at::Tensor> full_parameters();
+  /// The units' names, root ("") first, in the order of the module tree.
+  std::vector<std::string> unit_names() const;
+
+  struct State;
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+} // namespace detail
+
+/// A block that FullyShardedDataParallel gathers and frees as one unit:
+/// declared (and registered) in the model in place of `Block`, a module
+/// holder such as torch::nn::Linear or one made by TORCH_MODULE. Calling it
+/// calls the block; inside a wrapper, between gathering and freeing.
+template <typename Block>
+class Sharded : public Block {
+ public:
+  Sharded(std::nullptr_t) : Block(nullptr) {}
+  /// The module that register_module returns.
+  Sharded(std::shared_ptr<typename Block::ContainedType> module) : Block(std::move(module)) {
+    if (!this->is_empty()) {
+      detail::declare_unit(this->ptr());
+    }
+  }
+  /// The arguments of one of Block's constructors, or a Block.
+  template <typename... Args,
+            typename = std::enable_if_t<
+                !(sizeof...(Args) == 1 &&
+                  (std::is_same_v<std::decay_t<Args>, std::nullptr_t> && ...))>>
+  explicit Sharded(Args&&... args) : Block(std::forward<Args>(args)...) {
+    if (!this->is_empty()) {
+      detail::declare_unit(this->ptr());
+    }
+  }
+
+  template <typename... Args>
+  auto operator()(Args&&... args) {
+    auto hooks = detail::hooks_of_unit(*this->ptr());
+    if (!hooks) {
+      return Block::operator()(std::forward<Args>(args)...);
+    }
+    hooks->before_forward();
+    auto output = [&] {
+      try {
+        return Block::operator()(std::forward<Args>(args)...);
+      } catch (...) {
+        hooks->forward_failed();
+        throw;
+      }
+    }();
+    std::vector<at::Tensor> tensors;
+    detail::collect_tensors(output, tensors);
+    hooks->after_forward(tensors);
+    return output;
+  }
+};
+
+/// ZeRO-3 data parallelism: see the top of this header. Built on every rank
+/// alike; `ModuleType` as DistributedDataParallel takes it.
+template <typename ModuleType>
+class FullyShardedDataParallel {
+ public:
+  FullyShardedDataParallel(ModuleType module, World world, FsdpOptions options = {})
+      : module_(std::move(module)),
+        model_(std::make_unique<detail::ShardedModel>(detail::module_of(module_),
+                                                      std::move(world), options)) {}
+
+  template <typename... Args>
+  auto forward(Args&&... args) {
+    model_->before_forward();
+    auto output = [&] {
+      try {
+        return detail::call_forward(module_, std::forward<Args>(args)...);
+      } catch (...) {
+        model_->forward_failed();
+        throw;
+      }
+    }();
+    std::vector<at::Tensor> tensors;
+    detail::collect_tensors(output, tensors);
+    model_->after_forward(tensors);
+    return output;
+  }
+  template <typename... Args>
+  auto operator()(Args&&... args) {
+    return forward(std::forward<Args>(args)...);
+  }
+
+  /// What an optimizer steps: this rank's pieces of the parameters.
+  std::vector<at::Tensor> parameters() const {
+    return model_->parameters();
+  }
+  torch::OrderedDict<std::string, at::Tensor> named_parameters() const {
+    return model_->named_parameters();
+  }
+  /// Collective: a copy of every parameter in full, by name, on every
+  /// rank (what a plain module of the same type holds after the same steps).
+  torch::OrderedDict<std::string, at::Tensor> full_parameters() {
+    return model_->full_parameters();
+  }
+  /// The units that hold parameters: the root ("") first, then the
+  /// declared ones by their names in the module tree.
+  std::vector<std::string> unit_names() const {
+    return model_->unit_names();
+  }
+  /// The module. Outside forward and backward its parameters are freed
+  /// (empty tensors); its buffers are its own.
+  ModuleType& module() {
+    return module_;
+  }
+
+ private:
+  ModuleType module_;
+  std::unique_ptr<detail::ShardedModel> model_;
+};
+
+} // namespace lockstep

@@ -1,0 +1,160 @@
+#include "fsdp/flat_unit.h"
+
+#include <algorithm>
+
+#include <ATen/ATen.h>
+#include <c10/core/StorageImpl.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <lockstep/error.h>
+
+namespace lockstep::detail {
+namespace {
+
+// The tensor keeps its storage object, which views of it share; only the
+// memory behind it goes.
+void release_memory(const at::Tensor& tensor) {
+  auto* storage = tensor.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(at::DataPtr(nullptr, tensor.device()));
+  storage->set_nbytes(0);
+}
+
+void reserve_memory(const at::Tensor& tensor) {
+  auto* storage = tensor.storage().unsafeGetStorageImpl();
+  auto bytes = static_cast<size_t>(tensor.numel()) * tensor.element_size();
+  storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
+  storage->set_nbytes(bytes);
+}
+
+// A flat slice of `tensor` that aliases it without being a differentiable
+// view: it can be a leaf of its own, which an optimizer steps in place.
+at::Tensor alias_of(const at::Tensor& tensor, int64_t offset, int64_t numel) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return tensor.narrow(0, offset, numel);
+}
+
+} // namespace
+
+FlatUnit::FlatUnit(std::string name,
+                   std::vector<std::pair<std::string, at::Tensor>> params,
+                   World& world)
+    : name_(std::move(name)), rank_(world.rank()), ranks_(world.size()) {
+  TORCH_INTERNAL_ASSERT(!params.empty());
+  const auto& first = params.front().second;
+  int64_t total = 0;
+  for (auto& [param_name, param] : params) {
+    LOCKSTEP_ENFORCE(param.scalar_type() == first.scalar_type() &&
+                         param.device() == first.device(),
+                     ConfigError, "FullyShardedDataParallel: the parameters of one unit must "
+                     "share a dtype and a device, and ", describe(), " holds ",
+                     params.front().first, " (", first.scalar_type(), " on ",
+                     first.device(), ") and ", param_name, " (", param.scalar_type(),
+                     " on ", param.device(), "). Make the block with another dtype a "
+                     "unit of its own (lockstep::Sharded).");
+    LOCKSTEP_ENFORCE(param.layout() == at::kStrided, ConfigError,
+                     "FullyShardedDataParallel shards dense parameters only, and ",
+                     param_name, " is ", param.layout(), ".");
+    Member member;
+    member.name = param_name;
+    member.param = param;
+    member.shape = param.sizes().vec();
+    member.offset = total;
+    member.numel = param.numel();
+    all_trainable_ = all_trainable_ && param.requires_grad();
+    total += member.numel;
+    members_.push_back(std::move(member));
+  }
+  per_rank_ = std::max<int64_t>(1, (total + ranks_ - 1) / ranks_);
+  auto options = first.options().requires_grad(false);
+  full_ = at::zeros({per_rank_ * ranks_}, options);
+  {
+    at::NoGradGuard no_grad;
+    for (const auto& member : members_) {
+      full_.narrow(0, member.offset, member.numel).copy_(member.param.reshape({-1}));
+    }
+  }
+  world.broadcast(full_, 0, str("the parameters of ", describe(), " from rank 0"));
+  shard_ = full_.narrow(0, rank_ * per_rank_, per_rank_).clone();
+  int64_t mine_first = rank_ * per_rank_;
+  int64_t mine_last = mine_first + per_rank_;
+  for (auto& member : members_) {
+    int64_t first_element = std::max(member.offset, mine_first);
+    int64_t last_element = std::min(member.offset + member.numel, mine_last);
+    if (last_element > first_element) {
+      member.piece = alias_of(shard_, first_element - mine_first, last_element - first_element);
+      member.piece.set_requires_grad(member.param.requires_grad());
+      member.piece_offset = first_element;
+    }
+  }
+  placeholder_ = at::empty({0}, options);
+  gathered_ = true;
+  free();
+}
+
+std::string FlatUnit::describe() const {
+  return name_.empty() ? std::string("the root unit") : str("unit ", name_);
+}
+
+void FlatUnit::gather(World& world) {
+  if (gathered_) {
+    return;
+  }
+  reserve_memory(full_);
+  auto parts = world.all_gather(shard_);
+  at::NoGradGuard no_grad;
+  for (int r = 0; r < ranks_; ++r) {
+    full_.narrow(0, r * per_rank_, per_rank_).copy_(parts[static_cast<size_t>(r)]);
+  }
+  for (auto& member : members_) {
+    member.param.set_data(full_.narrow(0, member.offset, member.numel).view(member.shape));
+  }
+  gathered_ = true;
+}
+
+void FlatUnit::free() {
+  if (!gathered_) {
+    return;
+  }
+  for (auto& member : members_) {
+    member.param.set_data(placeholder_);
+  }
+  release_memory(full_);
+  gathered_ = false;
+}
+
+void FlatUnit::reduce_gradients(World& world) {
+  auto flat = at::zeros({per_rank_ * ranks_}, full_.options());
+  bool any_trainable = false;
+  for (auto& member : members_) {
+    any_trainable = any_trainable || member.param.requires_grad();
+    const auto& grad = member.param.grad();
+    if (grad.defined()) {
+      LOCKSTEP_ENFORCE(!grad.is_sparse(), UsageError,
+                       "FullyShardedDataParallel: ", member.name,
+                       " has a sparse gradient; sharded parameters take dense ones "
+                       "(build the embedding without sparse(true)).");
+      flat.narrow(0, member.offset, member.numel).copy_(grad.reshape({-1}));
+      member.param.mutable_grad().reset();
+    }
+  }
+  // The same on every rank: whether a unit holds a trainable parameter
+  // depends on the model alone.
+  if (!any_trainable) {
+    return;
+  }
+  world.all_reduce(flat, ReduceOp::Average);
+  for (auto& member : members_) {
+    if (!member.piece.defined() || !member.param.requires_grad()) {
+      continue;
+    }
+    auto average = flat.narrow(0, member.piece_offset, member.piece.numel());
+    auto& grad = member.piece.mutable_grad();
+    if (grad.defined()) {
+      grad.add_(average);
+    } else {
+      grad = average.clone();
+    }
+  }
+}
+
+} // namespace lockstep::detail

@@ -1,0 +1,83 @@
+#pragma once
+
+// One unit's parameters laid end to end in one flat tensor, padded to a
+// multiple of the world's size: rank r keeps elements [r S, (r + 1) S)
+// (its shard) and the full tensor exists only while gathered. The module's
+// parameters then point into it; freed, they are empty tensors, and the
+// full tensor's memory is given back while the tensor itself stays, so that
+// what autograd saved of it (a transposed weight) sees the parameters again
+// once they are gathered for backward.
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include <lockstep/world.h>
+
+namespace torch::autograd {
+struct Node;
+} // namespace torch::autograd
+
+namespace lockstep::detail {
+
+class FlatUnit {
+ public:
+  struct Member {
+    std::string name;
+    at::Tensor param;
+    std::vector<int64_t> shape;
+    int64_t offset = 0; // in the full tensor
+    int64_t numel = 0;
+    /// This rank's elements of it, flat: a leaf that aliases the shard
+    /// (undefined where this rank holds none).
+    at::Tensor piece;
+    int64_t piece_offset = 0; // in the full tensor
+  };
+
+  /// Collective: takes rank 0's values of `params` (name, tensor), keeps
+  /// this rank's shard and frees the rest. Raises ConfigError (on every
+  /// rank alike) for parameters of more than one dtype or device.
+  FlatUnit(std::string name, std::vector<std::pair<std::string, at::Tensor>> params,
+           World& world);
+
+  const std::string& name() const {
+    return name_;
+  }
+  /// "unit NAME", or "the root unit", as errors name it.
+  std::string describe() const;
+  const std::vector<Member>& members() const {
+    return members_;
+  }
+  bool gathered() const {
+    return gathered_;
+  }
+  /// Whether every parameter requires grad (a frozen one may be needed in
+  /// backward after the others' gradients are in).
+  bool all_trainable() const {
+    return all_trainable_;
+  }
+  /// Collective: the full parameters from every rank's shard.
+  void gather(World& world);
+  /// Points the parameters at nothing and gives the full tensor's memory back.
+  void free();
+  /// Collective: the average over ranks of the parameters' gradients
+  /// (zeros where a parameter has none) is added to the pieces' gradients;
+  /// the parameters' own gradients are dropped.
+  void reduce_gradients(World& world);
+
+ private:
+  std::string name_;
+  std::vector<Member> members_;
+  int64_t per_rank_ = 0; // S
+  int rank_ = 0;
+  int ranks_ = 1;
+  bool all_trainable_ = true;
+  bool gathered_ = false;
+  at::Tensor full_;
+  at::Tensor shard_;
+  at::Tensor placeholder_;
+};
+
+} // namespace lockstep::detail

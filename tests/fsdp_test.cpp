@@ -1,0 +1,296 @@
+// FullyShardedDataParallel against one process: N ranks, each on its shard
+// of the global batch, must hold after every step the parameters that one
+// process training on the whole batch holds, within float64 rounding. A
+// transformer-like model (an embedding tied to the output layer, blocks of
+// attention, MLP and LayerNorm, each block a unit), with units nested and
+// not, reshard after forward on and off, SGD with momentum, Adam and AdamW
+// with weight decay and clipping; at 2, 3 and 4 ranks.
+
+#include <cmath>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <lockstep/clip_grad_norm.h>
+#include <lockstep/fsdp.h>
+#include <lockstep/world.h>
+
+#include "support/expect_error.h"
+#include "support/multiprocess.h"
+#include "support/training.h"
+
+namespace lockstep::testing {
+namespace {
+
+constexpr int64_t kVocabulary = 11;
+constexpr int64_t kWidth = 8;
+constexpr int64_t kTokens = 5;
+constexpr int64_t kSamples = 12; // divides among 2, 3 and 4 ranks
+
+struct FeedForwardImpl : torch::nn::Module {
+  FeedForwardImpl()
+      : norm(register_module("norm", torch::nn::LayerNorm(
+                                         torch::nn::LayerNormOptions({kWidth})))),
+        up(register_module("up", torch::nn::Linear(kWidth, 2 * kWidth))),
+        down(register_module("down", torch::nn::Linear(2 * kWidth, kWidth))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    return x + down(torch::gelu(up(norm(x))));
+  }
+  torch::nn::LayerNorm norm;
+  torch::nn::Linear up, down;
+};
+TORCH_MODULE(FeedForward);
+
+// Attention and a feed-forward part; with `nested`, the feed-forward part
+// is a unit of its own inside the block's.
+struct BlockImpl : torch::nn::Module {
+  explicit BlockImpl(bool nested)
+      : norm(register_module("norm", torch::nn::LayerNorm(
+                                         torch::nn::LayerNormOptions({kWidth})))),
+        qkv(register_module("qkv", torch::nn::Linear(kWidth, 3 * kWidth))),
+        out(register_module("out", torch::nn::Linear(kWidth, kWidth))),
+        feed_forward(nested ? Sharded<FeedForward>() : Sharded<FeedForward>(nullptr)),
+        plain_feed_forward(nested ? FeedForward(nullptr) : FeedForward()) {
+    if (nested) {
+      register_module("feed_forward", feed_forward);
+    } else {
+      register_module("feed_forward", plain_feed_forward);
+    }
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto parts = qkv(norm(x)).chunk(3, -1);
+    auto scores = torch::matmul(parts[0], parts[1].transpose(-2, -1)) / std::sqrt(kWidth);
+    auto attended = x + out(torch::matmul(scores.softmax(-1), parts[2]));
+    return feed_forward.is_empty() ? plain_feed_forward(attended) : feed_forward(attended);
+  }
+  torch::nn::LayerNorm norm;
+  torch::nn::Linear qkv, out;
+  Sharded<FeedForward> feed_forward;
+  FeedForward plain_feed_forward;
+};
+TORCH_MODULE(Block);
+
+struct TinyTransformerImpl : torch::nn::Module {
+  explicit TinyTransformerImpl(bool nested)
+      : embedding(register_module("embedding", torch::nn::Embedding(kVocabulary, kWidth))),
+        final_norm(register_module("final_norm", torch::nn::LayerNorm(
+                                                     torch::nn::LayerNormOptions({kWidth})))) {
+    for (int i = 0; i < 3; ++i) {
+      blocks.push_back(register_module("block" + std::to_string(i), Sharded<Block>(nested)));
+    }
+  }
+  torch::Tensor forward(const torch::Tensor& tokens) {
+    auto x = embedding(tokens);
+    gathered_after_block.clear();
+    for (auto& block : blocks) {
+      x = block(x);
+      gathered_after_block.push_back(blocks.front()->qkv->weight.numel());
+    }
+    // The output layer is the embedding's weight (tied, both in the root).
+    return torch::matmul(final_norm(x), embedding->weight.t());
+  }
+  torch::nn::Embedding embedding;
+  torch::nn::LayerNorm final_norm;
+  std::vector<Sharded<Block>> blocks;
+  // After each block's forward, the elements that block0's qkv weight then
+  // holds: what the wrapper gathered and freed.
+  std::vector<int64_t> gathered_after_block;
+};
+TORCH_MODULE(TinyTransformer);
+
+std::pair<torch::Tensor, torch::Tensor> token_batch(int64_t step) {
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(500 + step);
+  auto tokens = at::randint(kVocabulary, {kSamples, kTokens}, generator);
+  auto targets = at::randint(kVocabulary, {kSamples, kTokens}, generator);
+  return {tokens, targets};
+}
+
+torch::Tensor loss_of(const torch::Tensor& logits, const torch::Tensor& targets) {
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, kVocabulary}),
+                                              targets.reshape({-1}));
+}
+
+enum class Optim { SgdMomentum, Adam, AdamWClipped };
+
+std::unique_ptr<torch::optim::Optimizer> make(Optim kind, std::vector<torch::Tensor> params) {
+  switch (kind) {
+    case Optim::SgdMomentum:
+      return std::make_unique<torch::optim::SGD>(
+          params, torch::optim::SGDOptions(0.1).momentum(0.9));
+    case Optim::Adam:
+      return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-2));
+    case Optim::AdamWClipped:
+      return std::make_unique<torch::optim::AdamW>(
+          params, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  }
+  return nullptr;
+}
+
+constexpr double kMaxNorm = 0.5; // below the gradients' norm: clipping acts
+
+struct Case {
+  bool nested;
+  bool reshard_after_forward;
+  Optim optim;
+  std::string name;
+};
+void PrintTo(const Case& c, std::ostream* out) {
+  *out << c.name;
+}
+
+class Fsdp : public ::testing::TestWithParam<std::tuple<WorldSetup, Case>> {};
+
+TEST_P(Fsdp, ShardsTrainAsOneProcessOnTheWholeBatch) {
+  auto [setup, c] = GetParam();
+  run_ranks(setup, [&, setup = setup, c = c](int rank) {
+    World world = init();
+    torch::manual_seed(0);
+    TinyTransformer reference(c.nested);
+    reference->to(torch::kDouble);
+    torch::manual_seed(0);
+    TinyTransformer model(c.nested);
+    model->to(torch::kDouble);
+    FullyShardedDataParallel<TinyTransformer> fsdp(
+        model, world, FsdpOptions().reshard_after_forward(c.reshard_after_forward));
+    std::vector<std::string> units{"", "block0", "block1", "block2"};
+    if (c.nested) {
+      units = {"", "block0", "block0.feed_forward", "block1", "block1.feed_forward",
+               "block2", "block2.feed_forward"};
+    }
+    EXPECT_EQ(fsdp.unit_names(), units);
+    for (const auto& param : model->parameters()) {
+      EXPECT_EQ(param.numel(), 0) << "freed outside forward and backward";
+    }
+    auto reference_optimizer = make(c.optim, reference->parameters());
+    auto optimizer = make(c.optim, fsdp.parameters());
+    int64_t share = kSamples / setup.size;
+    for (int64_t step = 0; step < 4; ++step) {
+      auto [tokens, targets] = token_batch(step);
+      reference_optimizer->zero_grad();
+      loss_of(reference(tokens), targets).backward();
+      optimizer->zero_grad();
+      auto loss = loss_of(fsdp(tokens.narrow(0, rank * share, share)),
+                          targets.narrow(0, rank * share, share));
+      // A unit's parameters exist only while it computes, or, kept
+      // gathered, from its forward to its backward.
+      int64_t qkv_elements = 3 * kWidth * kWidth;
+      std::vector<int64_t> expected_gathered(3, c.reshard_after_forward ? 0 : qkv_elements);
+      EXPECT_EQ(model->gathered_after_block, expected_gathered);
+      loss.backward();
+      for (const auto& param : model->parameters()) {
+        ASSERT_EQ(param.numel(), 0) << "freed after backward";
+      }
+      if (c.optim == Optim::AdamWClipped) {
+        double expected = torch::nn::utils::clip_grad_norm_(reference->parameters(), kMaxNorm);
+        double norm = clip_grad_norm_(fsdp.parameters(), kMaxNorm, world);
+        EXPECT_NEAR(norm, expected, 1e-12 * expected);
+      }
+      reference_optimizer->step();
+      optimizer->step();
+      auto full = fsdp.full_parameters();
+      auto expected = reference->named_parameters();
+      ASSERT_EQ(full.size(), expected.size());
+      for (const auto& item : expected) {
+        ASSERT_TRUE(full.contains(item.key())) << item.key();
+        EXPECT_TRUE(torch::allclose(full[item.key()], item.value(), 0, kFloat64Tolerance))
+            << item.key() << " at step " << step << ": largest difference "
+            << (full[item.key()] - item.value()).abs().max().item<double>();
+      }
+      expect_same_on_every_rank(world, flatten(full.values()), "the full parameters");
+    }
+  });
+}
+
+std::vector<WorldSetup> two_three_and_four_ranks() {
+  std::vector<WorldSetup> setups;
+  for (const auto& setup : every_world_setup()) {
+    if (setup.size >= 2) {
+      setups.push_back(setup);
+    }
+  }
+  return setups;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    WorldSizeAndCase,
+    Fsdp,
+    ::testing::Combine(
+        ::testing::ValuesIn(two_three_and_four_ranks()),
+        ::testing::Values(Case{false, true, Optim::SgdMomentum, "sgd"},
+                          Case{true, true, Optim::Adam, "nested_adam"},
+                          Case{false, false, Optim::AdamWClipped, "kept_gathered_adamw_clipped"},
+                          Case{true, false, Optim::SgdMomentum, "nested_kept_gathered_sgd"})),
+    [](const auto& info) {
+      return std::get<0>(info.param).name() + "_" + std::get<1>(info.param).name;
+    });
+
+// A unit that multiplies by a weight it is given, so that two units can be
+// given the same one.
+struct ProductImpl : torch::nn::Module {
+  explicit ProductImpl(torch::Tensor given) : weight(register_parameter("weight", given)) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    return x.matmul(weight);
+  }
+  torch::Tensor weight;
+};
+TORCH_MODULE(Product);
+
+struct TiedAcrossUnitsImpl : torch::nn::Module {
+  TiedAcrossUnitsImpl()
+      : first(register_module("first", Sharded<Product>(torch::randn({4, 4})))),
+        second(register_module("second", Sharded<Product>(first->weight))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    return second(first(x));
+  }
+  Sharded<Product> first, second;
+};
+TORCH_MODULE(TiedAcrossUnits);
+
+struct TwoDtypesImpl : torch::nn::Module {
+  TwoDtypesImpl() : layer(register_module("layer", Sharded<torch::nn::Linear>(4, 4))) {
+    layer->bias.set_data(layer->bias.to(torch::kDouble));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return layer(x);
+  }
+  Sharded<torch::nn::Linear> layer;
+};
+TORCH_MODULE(TwoDtypes);
+
+// What cannot be sharded is refused by name on every rank, before anything
+// travels; the world stays usable.
+TEST(FsdpErrors, TiedWeightsAcrossUnitsAndTwoDtypesInOneUnitAreRefusedByName) {
+  run_ranks(2, [](int /*rank*/) {
+    World world = init();
+    expect_error<ConfigError>(
+        [&] { FullyShardedDataParallel<TiedAcrossUnits> fsdp(TiedAcrossUnits(), world); },
+        {"first.weight and second.weight are one parameter (tied weights) in two units",
+         "Tied weights must live in one unit"});
+    expect_error<ConfigError>(
+        [&] { FullyShardedDataParallel<TwoDtypes> fsdp(TwoDtypes(), world); },
+        {"the parameters of one unit must share a dtype", "unit layer holds layer.weight",
+         "layer.bias"});
+    auto sum = torch::ones({3});
+    world.all_reduce(sum);
+    EXPECT_TRUE(torch::equal(sum, torch::full({3}, 2.0)));
+  });
+}
+
+// A model declared with units is the plain model outside a wrapper, and a
+// unit belongs to one live wrapper at a time.
+TEST(FsdpErrors, AUnitIsShardedByOneWrapperAtATime) {
+  run_ranks(2, [](int /*rank*/) {
+    World world = init();
+    TiedAcrossUnits unused; // declared units, never wrapped: plain modules
+    EXPECT_EQ(unused(torch::ones({1, 4})).sizes(), (std::vector<int64_t>{1, 4}));
+    TwoDtypes doubled;
+    doubled->to(torch::kDouble);
+    FullyShardedDataParallel<TwoDtypes> first(doubled, world);
+    expect_error<ConfigError>(
+        [&] { FullyShardedDataParallel<TwoDtypes> second(doubled, world); },
+        {"unit layer is already sharded by another FullyShardedDataParallel"});
+  });
+}
+
+} // namespace
+} // namespace lockstep::testing
