@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <lockstep/error.h>
+#include <lockstep/sharded_collectives.h>
 
 namespace lockstep::detail {
 namespace {
@@ -100,11 +101,8 @@ void FlatUnit::gather(World& world) {
     return;
   }
   reserve_memory(full_);
-  auto parts = world.all_gather(shard_);
+  all_gather_into(world, full_, shard_);
   at::NoGradGuard no_grad;
-  for (int r = 0; r < ranks_; ++r) {
-    full_.narrow(0, r * per_rank_, per_rank_).copy_(parts[static_cast<size_t>(r)]);
-  }
   for (auto& member : members_) {
     member.param.set_data(full_.narrow(0, member.offset, member.numel).view(member.shape));
   }
@@ -142,12 +140,14 @@ void FlatUnit::reduce_gradients(World& world) {
   if (!any_trainable) {
     return;
   }
-  world.all_reduce(flat, ReduceOp::Average);
+  auto mine = at::empty({per_rank_}, flat.options());
+  reduce_scatter(world, mine, flat, ReduceOp::Average);
+  int64_t mine_first = rank_ * per_rank_;
   for (auto& member : members_) {
     if (!member.piece.defined() || !member.param.requires_grad()) {
       continue;
     }
-    auto average = flat.narrow(0, member.piece_offset, member.piece.numel());
+    auto average = mine.narrow(0, member.piece_offset - mine_first, member.piece.numel());
     auto& grad = member.piece.mutable_grad();
     if (grad.defined()) {
       grad.add_(average);

@@ -18,6 +18,9 @@ class LocalTransport : public Transport {
   std::unique_ptr<TransportWork> all_gather(const std::vector<at::Tensor>& outputs,
                                             const at::Tensor& input) override;
   std::unique_ptr<TransportWork> barrier() override;
+  std::unique_ptr<TransportWork> reduce_scatter(const at::Tensor& output,
+                                                const at::Tensor& input,
+                                                ReduceOp op) override;
 };
 
 } // namespace lockstep::detail

@@ -79,6 +79,14 @@ std::unique_ptr<ShmOp> make_staged_op(ShmContext& context,
                                       ReduceOp op,
                                       int root_index);
 
+/// A reduce-scatter through the staging buffers: `input` holds one slice of
+/// output.numel() elements per rank of the host, and `output` takes this
+/// rank's slice reduced over every rank's input.
+std::unique_ptr<ShmOp> make_reduce_scatter_op(ShmContext& context,
+                                              at::Tensor output,
+                                              at::Tensor input,
+                                              ReduceOp op);
+
 /// An in-place all-reduce of the arena's tensors; posts this rank's data as
 /// ready at once. With `across` (ranks on several hosts), this rank's slice,
 /// once reduced within the host, is all-reduced over `across` with the

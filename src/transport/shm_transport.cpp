@@ -239,6 +239,16 @@ std::unique_ptr<TransportWork> ShmTransport::all_gather(const std::vector<at::Te
   });
 }
 
+std::unique_ptr<TransportWork> ShmTransport::reduce_scatter(const at::Tensor& output,
+                                                            const at::Tensor& input,
+                                                            ReduceOp op) {
+  TORCH_INTERNAL_ASSERT(output.is_contiguous() && input.is_contiguous());
+  if (hosts_.world) {
+    return nullptr;
+  }
+  return begin([&] { return make_reduce_scatter_op(context_, output, input, op); });
+}
+
 std::unique_ptr<TransportWork> ShmTransport::barrier() {
   if (hosts_.world) {
     return alongside(hosts_.world->barrier());

@@ -47,6 +47,10 @@ class ShmTransport : public Transport, public std::enable_shared_from_this<ShmTr
   std::unique_ptr<TransportWork> all_gather(const std::vector<at::Tensor>& outputs,
                                             const at::Tensor& input) override;
   std::unique_ptr<TransportWork> barrier() override;
+  /// On one host; across hosts, null (World's fallback).
+  std::unique_ptr<TransportWork> reduce_scatter(const at::Tensor& output,
+                                                const at::Tensor& input,
+                                                ReduceOp op) override;
   /// A tensor in an arena that every rank of the host maps (shm_layout.h).
   at::Tensor allocate(int64_t numel, at::ScalarType dtype) override;
 

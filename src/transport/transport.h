@@ -59,6 +59,18 @@ class Transport {
   virtual std::unique_ptr<TransportWork> all_gather(const std::vector<at::Tensor>& outputs,
                                                     const at::Tensor& input) = 0;
   virtual std::unique_ptr<TransportWork> barrier() = 0;
+  /// `input` holds one slice of output.numel() elements per rank; `output`
+  /// takes this rank's slice reduced over every rank's input. Null where
+  /// the transport has no reduce-scatter of its own: World then all-reduces
+  /// a copy of `input` and keeps its slice.
+  virtual std::unique_ptr<TransportWork> reduce_scatter(const at::Tensor& output,
+                                                        const at::Tensor& input,
+                                                        ReduceOp op) {
+    (void)output;
+    (void)input;
+    (void)op;
+    return nullptr;
+  }
   /// Collective (every rank, same arguments): a zero-filled contiguous
   /// tensor in the memory that this transport's all_reduce moves fastest.
   virtual at::Tensor allocate(int64_t numel, at::ScalarType dtype);

@@ -72,6 +72,12 @@ struct WorldAccess {
   static void abandon(const World& world, const std::string& why);
   /// Why `world` can run no collective, or "".
   static std::string broken(const World& world);
+  /// sharded_collectives.h's, on flat contiguous tensors of one dtype whose
+  /// sizes were checked.
+  static void all_gather_into(const World& world, const at::Tensor& output,
+                              const at::Tensor& input);
+  static void reduce_scatter(const World& world, const at::Tensor& output,
+                             const at::Tensor& input, ReduceOp op);
 };
 
 } // namespace lockstep::detail

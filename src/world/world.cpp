@@ -17,6 +17,7 @@
 #include "timeline/recorder.h"
 #include "transport/local_transport.h"
 #include "transport/process_group_transport.h"
+#include "world/epoch_world.h"
 #include "world/rendezvous.h"
 #include "world/transport_choice.h"
 #include "world/world_impl.h"
@@ -388,6 +389,52 @@ std::vector<at::Tensor> World::all_gather(const at::Tensor& tensor) {
   });
   return outputs;
 }
+
+namespace detail {
+
+void WorldAccess::all_gather_into(const World& world, const at::Tensor& output,
+                                  const at::Tensor& input) {
+  auto& impl = *world.impl_;
+  std::vector<at::Tensor> outputs;
+  for (int rank = 0; rank < world.size(); ++rank) {
+    outputs.push_back(output.narrow(0, rank * input.numel(), input.numel()));
+  }
+  run_collective(impl, str("all_gather_into of ", describe(input)), [&] {
+    return impl.transport_for(input).all_gather(outputs, input);
+  });
+}
+
+void WorldAccess::reduce_scatter(const World& world, const at::Tensor& output,
+                                 const at::Tensor& input, ReduceOp op) {
+  auto& impl = *world.impl_;
+  int size = world.size();
+  bool average = op == ReduceOp::Average;
+  ReduceOp reduce = average ? ReduceOp::Sum : op;
+  auto source = average && divides_first(input) ? input / size : input;
+  // Where the transport has no reduce-scatter of its own: an all-reduce of
+  // a copy, of which this rank keeps its slice.
+  at::Tensor reduced;
+  run_collective(impl, str("reduce_scatter of ", describe(input)), [&] {
+    auto& transport = impl.transport_for(input);
+    if (auto work = transport.reduce_scatter(output, source, reduce)) {
+      return work;
+    }
+    reduced = source.is_same(input) ? input.clone() : source;
+    return transport.all_reduce(reduced, reduce);
+  });
+  if (reduced.defined()) {
+    output.copy_(reduced.narrow(0, world.rank() * output.numel(), output.numel()));
+  }
+  if (average && !divides_first(input)) {
+    if (at::isIntegralType(output.scalar_type(), /*includeBool=*/true)) {
+      output.div_(size, "floor");
+    } else {
+      output.div_(size);
+    }
+  }
+}
+
+} // namespace detail
 
 at::Tensor World::allocate(int64_t numel, at::ScalarType dtype) {
   return impl_->cpu_transport->allocate(numel, dtype);

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <lockstep/error.h>
+#include <lockstep/sharded_collectives.h>
 
 namespace lockstep::testing {
 namespace {
@@ -136,6 +137,58 @@ std::vector<std::string> check_collectives(World& world, bool large) {
       for (int r = 0; r < n; ++r) {
         expect(gathered[r].equal(contribution(numel, type, r, false)),
                str("all_gather of ", what, ": rank ", r, "'s part"));
+      }
+    }
+  }
+  // The sharded pair: reduce_scatter's slice of the sum, average and
+  // minimum, bit for bit where sums are exact and the same bits as the
+  // all-reduce's slice where they round; all_gather_into moves bits. Also
+  // with the output a slice of the input (in place, as a sharded optimizer
+  // keeps its gradients).
+  for (auto type : types) {
+    for (int64_t per_rank : {int64_t{1}, int64_t{1001}, (int64_t{1} << 18) + 5}) {
+      std::string what = str(type, " x ", n, " x ", per_rank);
+      int64_t numel = per_rank * n;
+      std::vector<at::Tensor> exact_values;
+      auto exact_sum = at::zeros({numel}, at::kDouble);
+      for (int r = 0; r < n; ++r) {
+        exact_values.push_back(contribution(numel, type, r, true));
+        exact_sum += exact_values[r].to(at::kDouble);
+      }
+      auto smallest = exact_values[0].to(at::kDouble);
+      for (int r = 1; r < n; ++r) {
+        smallest = at::minimum(smallest, exact_values[r].to(at::kDouble));
+      }
+      auto mine = [&](const at::Tensor& whole) {
+        return whole.narrow(0, rank * per_rank, per_rank);
+      };
+      auto slice = at::empty({per_rank}, type);
+      reduce_scatter(world, slice, exact_values[rank]);
+      expect(slice.equal(mine(exact_sum.to(type))), "reduce_scatter sum of " + what);
+      reduce_scatter(world, slice, exact_values[rank], ReduceOp::Average);
+      expect(slice.equal(mine(average_of(exact_values, type))),
+             "reduce_scatter average of " + what);
+      reduce_scatter(world, slice, exact_values[rank], ReduceOp::Min);
+      expect(slice.equal(mine(smallest.to(type))), "reduce_scatter minimum of " + what);
+      auto in_place = exact_values[rank].clone();
+      auto own_slice = mine(in_place);
+      reduce_scatter(world, own_slice, in_place);
+      expect(own_slice.equal(mine(exact_sum.to(type))),
+             "reduce_scatter sum into a slice of its input, " + what);
+      auto rounding = contribution(numel, type, rank, false);
+      auto all_reduced = rounding.clone();
+      world.all_reduce(all_reduced);
+      reduce_scatter(world, slice, rounding);
+      auto prints = world.all_gather_strings(fingerprint(slice));
+      auto gathered = at::empty({numel}, type);
+      all_gather_into(world, gathered, slice);
+      auto error = (gathered.to(at::kDouble) - all_reduced.to(at::kDouble)).abs().max();
+      expect(error.item<double>() <=
+                 n * unit_of(type) * (all_reduced.to(at::kDouble).abs().max().item<double>() + 1),
+             str("rounded reduce_scatter of ", what, " is off by ", error.item<double>()));
+      for (int r = 0; r < n; ++r) {
+        expect(fingerprint(gathered.narrow(0, r * per_rank, per_rank)) == prints[r],
+               str("all_gather_into of ", what, ": rank ", r, "'s part"));
       }
     }
   }

@@ -1,0 +1,176 @@
+// Memory and time of one model trained four ways: DDP, DDP with a
+// ZeroRedundancyOptimizer (ZeRO-1), and FullyShardedDataParallel (ZeRO-3)
+// with and without resharding after forward. Adam, one intra-op thread per
+// rank. Rank 0 prints one CSV line:
+//
+//   mode,ms_per_step,peak_train_mib,peak_build_mib,state_mib_per_rank
+//
+// ms_per_step: the median over ITERATIONS timed steps of the slowest rank.
+// peak_train_mib: the largest resident set over ranks while training,
+// counted from after the model was built and wrapped (the kernel's peak is
+// reset there, /proc/self/clear_refs): every rank builds the whole model
+// first, as LibTorch makes parameters where a module is constructed, and
+// that peak is peak_build_mib. state_mib_per_rank: parameters, gradients
+// and Adam's two moments that one rank holds, by the mode's own account.
+//
+//   fsdp_bench MODE [ITERATIONS=3] [WIDTH=1024] [DEPTH=18] [BATCH=16]
+//   MODE: ddp | zero1 | fsdp | fsdp_kept
+//
+// The model: DEPTH residual blocks (LayerNorm, Linear WIDTH -> 4 WIDTH,
+// GELU, Linear back), each a unit under FSDP, then a Linear head in the
+// root; 8 WIDTH^2 parameters per block. WIDTH 1024 and DEPTH 18 make 151M
+// parameters: 2.4 GB of parameters, gradients and Adam state in float32.
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <optional>
+#include <string>
+
+#include <torch/torch.h>
+
+#include <lockstep/fsdp.h>
+#include <lockstep/lockstep.h>
+
+namespace {
+
+using namespace lockstep;
+using Clock = std::chrono::steady_clock;
+
+struct BlockImpl : torch::nn::Module {
+  explicit BlockImpl(int64_t width)
+      : norm(register_module("norm", torch::nn::LayerNorm(
+                                         torch::nn::LayerNormOptions({width})))),
+        up(register_module("up", torch::nn::Linear(width, 4 * width))),
+        down(register_module("down", torch::nn::Linear(4 * width, width))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    return x + down(torch::gelu(up(norm(x))));
+  }
+  torch::nn::LayerNorm norm;
+  torch::nn::Linear up, down;
+};
+TORCH_MODULE(Block);
+
+struct StackImpl : torch::nn::Module {
+  StackImpl(int64_t width, int64_t depth) {
+    for (int64_t i = 0; i < depth; ++i) {
+      blocks.push_back(register_module("block" + std::to_string(i), Sharded<Block>(width)));
+    }
+    head = register_module("head", torch::nn::Linear(width, width));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (auto& block : blocks) {
+      x = block(x);
+    }
+    return head(x);
+  }
+  std::vector<Sharded<Block>> blocks;
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(Stack);
+
+// A field of /proc/self/status in MiB: VmHWM (the peak resident set) or
+// VmRSS (the resident set now).
+double status_mib(const std::string& field) {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind(field + ":", 0) == 0) {
+      return std::stod(line.substr(field.size() + 1)) / 1024.0; // kB
+    }
+  }
+  return -1;
+}
+
+void reset_peak() {
+  std::ofstream("/proc/self/clear_refs") << "5";
+}
+
+double largest(World& world, double value) {
+  auto tensor = torch::tensor({value}, torch::kDouble);
+  world.all_reduce(tensor, ReduceOp::Max);
+  return tensor.item<double>();
+}
+
+int64_t arg(int argc, char** argv, int index, int64_t fallback) {
+  return argc > index ? std::atoll(argv[index]) : fallback;
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  torch::set_num_threads(1);
+  std::string mode = argc > 1 ? argv[1] : "fsdp";
+  int iterations = static_cast<int>(arg(argc, argv, 2, 3));
+  int64_t width = arg(argc, argv, 3, 1024);
+  int64_t depth = arg(argc, argv, 4, 18);
+  int64_t batch = arg(argc, argv, 5, 16);
+  World world = init();
+  int ranks = world.size();
+
+  // What a rank holds before the model: LibTorch, the world's connections.
+  double baseline = largest(world, status_mib("VmRSS"));
+  torch::manual_seed(0);
+  Stack model(width, depth);
+  double parameters = 0;
+  for (const auto& p : model->parameters()) {
+    parameters += static_cast<double>(p.numel());
+  }
+  double mib = 4.0 / (1 << 20); // float32
+  std::optional<DistributedDataParallel<Stack>> ddp;
+  std::optional<FullyShardedDataParallel<Stack>> fsdp;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  double state = 0;
+  if (mode == "ddp" || mode == "zero1") {
+    ddp.emplace(model, world);
+    if (mode == "ddp") {
+      optimizer = std::make_unique<torch::optim::Adam>(model->parameters(),
+                                                       torch::optim::AdamOptions(1e-4));
+      state = 4 * parameters * mib;
+    } else {
+      optimizer = std::make_unique<ZeroRedundancyOptimizer<torch::optim::Adam>>(
+          model->parameters(), world, torch::optim::AdamOptions(1e-4),
+          ZeroOptions().partition(ZeroPartition::Elements));
+      state = (2 * parameters + 2 * parameters / ranks) * mib;
+    }
+  } else if (mode == "fsdp" || mode == "fsdp_kept") {
+    fsdp.emplace(model, world, FsdpOptions().reshard_after_forward(mode == "fsdp"));
+    optimizer = std::make_unique<torch::optim::Adam>(fsdp->parameters(),
+                                                     torch::optim::AdamOptions(1e-4));
+    state = 4 * parameters / ranks * mib;
+  } else {
+    std::fprintf(stderr, "fsdp_bench: unknown mode %s\n", mode.c_str());
+    return 2;
+  }
+  double build_peak = largest(world, status_mib("VmHWM"));
+  double after_build = largest(world, status_mib("VmRSS"));
+  world.barrier();
+  reset_peak();
+
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(7 + world.rank());
+  auto x = at::randn({batch, width}, generator);
+  auto y = at::randn({batch, width}, generator);
+  std::vector<double> times;
+  for (int i = 0; i < iterations + 1; ++i) {
+    auto start = Clock::now();
+    optimizer->zero_grad();
+    auto output = ddp ? (*ddp)(x) : (*fsdp)(x);
+    torch::mse_loss(output, y).backward();
+    optimizer->step();
+    world.barrier();
+    if (i > 0) { // the first step makes Adam's state
+      times.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+    }
+  }
+  std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
+  double step_ms = largest(world, times[times.size() / 2]);
+  double train_peak = largest(world, status_mib("VmHWM"));
+  if (world.rank() == 0) {
+    std::printf("%s,%.0f,%.0f,%.0f,%.0f,%.0f,%.0f\n", mode.c_str(), step_ms, train_peak,
+                build_peak, state, baseline, after_build);
+    std::fflush(stdout);
+  }
+  return 0;
+}
