@@ -100,7 +100,7 @@ int64_t arg(int argc, char** argv, int index, int64_t fallback) {
 
 } // namespace
 
-int main(int argc, char** argv) {
+int train(int argc, char** argv) {
   torch::set_num_threads(1);
   std::string mode = argc > 1 ? argv[1] : "fsdp";
   int iterations = static_cast<int>(arg(argc, argv, 2, 3));
@@ -173,4 +173,17 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
   }
   return 0;
+}
+
+// An error (out of memory under bench/run-fsdp's limit) as one line, and
+// the exit status that tells the script so.
+int main(int argc, char** argv) {
+  try {
+    return train(argc, argv);
+  } catch (const std::exception& e) {
+    std::string what = e.what();
+    std::fprintf(stderr, "fsdp_bench: rank %s: %s\n", std::getenv("RANK") ? std::getenv("RANK") : "?",
+                 what.substr(0, what.find('\n')).c_str());
+    return 1;
+  }
 }

@@ -42,6 +42,7 @@
 #include <vector>
 
 #include <torch/arg.h>
+#include <torch/optim/optimizer.h>
 #include <torch/ordered_dict.h>
 
 #include <lockstep/ddp.h>
@@ -97,6 +98,20 @@ class ShardedModel {
   torch::OrderedDict<std::string, at::Tensor> named_parameters() const;
   /// Collective: a copy of every parameter in full, by name, on every rank.
   torch::OrderedDict<std::string, at::Tensor> full_parameters();
+  /// Collective: every unit gathered, the module's parameters in full,
+  /// until end_full_parameters (local: each rank takes its shard back from
+  /// them, so that what was loaded into them stays, and frees them).
+  void begin_full_parameters();
+  void end_full_parameters();
+  /// Collective: on rank `to`, `full` (an optimizer of `sharded`'s type over
+  /// the module's parameters) takes the state of every parameter in full,
+  /// put together from `sharded`'s states of every rank's pieces.
+  void consolidate_optimizer_state(const torch::optim::Optimizer& sharded,
+                                   torch::optim::Optimizer& full, int to);
+  /// `sharded` takes this rank's pieces of `full`'s states (and its groups'
+  /// options where both have as many groups).
+  void load_optimizer_state(torch::optim::Optimizer& sharded,
+                            const torch::optim::Optimizer& full);
   /// The units' names, root ("") first, in the order of the module tree.
   std::vector<std::string> unit_names() const;
 
@@ -155,6 +170,24 @@ class Sharded : public Block {
   }
 };
 
+/// While it lives, the wrapped module holds every parameter in full: save
+/// it, or load into it, as a plain module (PyTorch's summon_full_params
+/// with writeback). Made by FullyShardedDataParallel::summon_full_parameters.
+class FullParametersGuard {
+ public:
+  explicit FullParametersGuard(detail::ShardedModel& model) : model_(model) {
+    model_.begin_full_parameters();
+  }
+  ~FullParametersGuard() {
+    model_.end_full_parameters();
+  }
+  FullParametersGuard(const FullParametersGuard&) = delete;
+  FullParametersGuard& operator=(const FullParametersGuard&) = delete;
+
+ private:
+  detail::ShardedModel& model_;
+};
+
 /// ZeRO-3 data parallelism: see the top of this header. Built on every rank
 /// alike; `ModuleType` as DistributedDataParallel takes it.
 template <typename ModuleType>
@@ -197,6 +230,27 @@ class FullyShardedDataParallel {
   /// rank (what a plain module of the same type holds after the same steps).
   torch::OrderedDict<std::string, at::Tensor> full_parameters() {
     return model_->full_parameters();
+  }
+  /// Collective: the module's parameters in full while the guard lives;
+  /// each rank keeps its shard of them when it ends (local). Every rank
+  /// holds the whole model meanwhile.
+  [[nodiscard]] FullParametersGuard summon_full_parameters() {
+    return FullParametersGuard(*model_);
+  }
+  /// Collective: on rank `to`, `full` takes the state of `sharded` (the
+  /// optimizer over parameters()) as a plain optimizer of the same type
+  /// over module()->parameters() would hold it after the same steps: the
+  /// consolidated state that save_checkpoint writes and any world size (or
+  /// a program without lockstep) loads. Build `full` on every rank.
+  void consolidate_optimizer_state(const torch::optim::Optimizer& sharded,
+                                   torch::optim::Optimizer& full, int to = 0) {
+    model_->consolidate_optimizer_state(sharded, full, to);
+  }
+  /// On every rank: `sharded` takes this rank's pieces of `full`'s state
+  /// (loaded from a consolidated checkpoint, of any world size).
+  void load_optimizer_state(torch::optim::Optimizer& sharded,
+                            const torch::optim::Optimizer& full) {
+    model_->load_optimizer_state(sharded, full);
   }
   /// The units that hold parameters: the root ("") first, then the
   /// declared ones by their names in the module tree.

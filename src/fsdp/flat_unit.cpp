@@ -12,19 +12,22 @@
 namespace lockstep::detail {
 namespace {
 
+size_t bytes_of(const at::Tensor& tensor) {
+  return static_cast<size_t>(tensor.numel()) * tensor.element_size();
+}
+
 // The tensor keeps its storage object, which views of it share; only the
-// memory behind it goes.
-void release_memory(const at::Tensor& tensor) {
+// memory behind it goes (to the pool).
+void release_memory(const at::Tensor& tensor, BufferPool& pool) {
   auto* storage = tensor.storage().unsafeGetStorageImpl();
-  storage->set_data_ptr_noswap(at::DataPtr(nullptr, tensor.device()));
+  pool.give(storage->set_data_ptr(at::DataPtr(nullptr, tensor.device())), bytes_of(tensor));
   storage->set_nbytes(0);
 }
 
-void reserve_memory(const at::Tensor& tensor) {
+void reserve_memory(const at::Tensor& tensor, BufferPool& pool) {
   auto* storage = tensor.storage().unsafeGetStorageImpl();
-  auto bytes = static_cast<size_t>(tensor.numel()) * tensor.element_size();
-  storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
-  storage->set_nbytes(bytes);
+  storage->set_data_ptr_noswap(pool.take(bytes_of(tensor), *storage->allocator()));
+  storage->set_nbytes(bytes_of(tensor));
 }
 
 // A flat slice of `tensor` that aliases it without being a differentiable
@@ -88,19 +91,22 @@ FlatUnit::FlatUnit(std::string name,
     }
   }
   placeholder_ = at::empty({0}, options);
+  BufferPool none(0);
+  grad_full_ = at::empty({per_rank_ * ranks_}, options);
+  release_memory(grad_full_, none);
   gathered_ = true;
-  free();
+  free(none);
 }
 
 std::string FlatUnit::describe() const {
   return name_.empty() ? std::string("the root unit") : str("unit ", name_);
 }
 
-void FlatUnit::gather(World& world) {
+void FlatUnit::gather(World& world, BufferPool& pool) {
   if (gathered_) {
     return;
   }
-  reserve_memory(full_);
+  reserve_memory(full_, pool);
   all_gather_into(world, full_, shard_);
   at::NoGradGuard no_grad;
   for (auto& member : members_) {
@@ -109,50 +115,126 @@ void FlatUnit::gather(World& world) {
   gathered_ = true;
 }
 
-void FlatUnit::free() {
+void FlatUnit::write_back() {
+  if (!gathered_) {
+    return;
+  }
+  at::NoGradGuard no_grad;
+  for (auto& member : members_) {
+    // A load that gave the parameter memory of its own (set_) rather than
+    // copying into it.
+    auto slot = full_.narrow(0, member.offset, member.numel);
+    if (member.param.data_ptr() != slot.data_ptr()) {
+      slot.copy_(member.param.reshape({-1}));
+      member.param.set_data(slot.view(member.shape));
+    }
+  }
+  shard_.copy_(full_.narrow(0, rank_ * per_rank_, per_rank_));
+}
+
+void FlatUnit::free(BufferPool& pool) {
   if (!gathered_) {
     return;
   }
   for (auto& member : members_) {
     member.param.set_data(placeholder_);
   }
-  release_memory(full_);
+  release_memory(full_, pool);
   gathered_ = false;
 }
 
-void FlatUnit::reduce_gradients(World& world) {
-  auto flat = at::zeros({per_rank_ * ranks_}, full_.options());
+void FlatUnit::attach_gradients(BufferPool& pool) {
+  if (gradients_attached_) {
+    return;
+  }
+  reserve_memory(grad_full_, pool);
+  grad_full_.zero_();
+  at::NoGradGuard no_grad;
+  for (auto& member : members_) {
+    if (!member.param.requires_grad()) {
+      continue;
+    }
+    auto slot = alias_of(grad_full_, member.offset, member.numel).view(member.shape);
+    auto& grad = member.param.mutable_grad();
+    if (grad.defined()) {
+      slot.copy_(grad); // from an earlier backward of this step
+    }
+    grad = slot;
+  }
+  gradients_attached_ = true;
+}
+
+void FlatUnit::reduce_gradients(World& world, at::Tensor& scratch, BufferPool& pool) {
+  at::Tensor flat;
+  if (gradients_attached_) {
+    flat = grad_full_;
+  } else {
+    if (!scratch.defined() || scratch.numel() < full_.numel()) {
+      scratch = at::empty({full_.numel()}, full_.options());
+    }
+    flat = scratch.narrow(0, 0, full_.numel()).zero_();
+  }
   bool any_trainable = false;
   for (auto& member : members_) {
     any_trainable = any_trainable || member.param.requires_grad();
     const auto& grad = member.param.grad();
-    if (grad.defined()) {
-      LOCKSTEP_ENFORCE(!grad.is_sparse(), UsageError,
-                       "FullyShardedDataParallel: ", member.name,
-                       " has a sparse gradient; sharded parameters take dense ones "
-                       "(build the embedding without sparse(true)).");
-      flat.narrow(0, member.offset, member.numel).copy_(grad.reshape({-1}));
-      member.param.mutable_grad().reset();
+    if (!grad.defined()) {
+      continue;
     }
+    LOCKSTEP_ENFORCE(!grad.is_sparse(), UsageError, "FullyShardedDataParallel: ", member.name,
+                     " has a sparse gradient; sharded parameters take dense ones (build the "
+                     "embedding without sparse(true)).");
+    auto slot = flat.narrow(0, member.offset, member.numel);
+    if (grad.data_ptr() != slot.data_ptr()) {
+      slot.copy_(grad.reshape({-1}));
+    }
+    member.param.mutable_grad().reset();
   }
   // The same on every rank: whether a unit holds a trainable parameter
   // depends on the model alone.
-  if (!any_trainable) {
+  if (any_trainable) {
+    scatter_into_pieces(world, flat);
+  }
+  if (gradients_attached_) {
+    release_memory(grad_full_, pool);
+    gradients_attached_ = false;
+  }
+}
+
+void FlatUnit::scatter_into_pieces(World& world, const at::Tensor& flat) {
+  int64_t mine_first = rank_ * per_rank_;
+  auto piece_of = [&](const at::Tensor& slice, const Member& member) {
+    return alias_of(slice, member.piece_offset - mine_first, member.piece.numel());
+  };
+  bool none_yet = true;
+  for (const auto& member : members_) {
+    none_yet = none_yet && (!member.piece.defined() || !member.piece.grad().defined());
+  }
+  // The first backward of a step (an optimizer that sets gradients to
+  // None): the averages land in the shard's gradients themselves.
+  if (none_yet) {
+    if (!shard_grad_.defined()) {
+      shard_grad_ = at::empty({per_rank_}, flat.options());
+    }
+    reduce_scatter(world, shard_grad_, flat, ReduceOp::Average);
+    for (auto& member : members_) {
+      if (member.piece.defined() && member.param.requires_grad()) {
+        member.piece.mutable_grad() = piece_of(shard_grad_, member);
+      }
+    }
     return;
   }
   auto mine = at::empty({per_rank_}, flat.options());
   reduce_scatter(world, mine, flat, ReduceOp::Average);
-  int64_t mine_first = rank_ * per_rank_;
   for (auto& member : members_) {
     if (!member.piece.defined() || !member.param.requires_grad()) {
       continue;
     }
-    auto average = mine.narrow(0, member.piece_offset - mine_first, member.piece.numel());
     auto& grad = member.piece.mutable_grad();
     if (grad.defined()) {
-      grad.add_(average);
+      grad.add_(piece_of(mine, member));
     } else {
-      grad = average.clone();
+      grad = piece_of(mine, member).clone();
     }
   }
 }

@@ -16,6 +16,8 @@
 
 #include <lockstep/world.h>
 
+#include "fsdp/buffer_pool.h"
+
 namespace torch::autograd {
 struct Node;
 } // namespace torch::autograd
@@ -50,6 +52,10 @@ class FlatUnit {
   const std::vector<Member>& members() const {
     return members_;
   }
+  /// Elements of the full tensor that each rank holds.
+  int64_t per_rank() const {
+    return per_rank_;
+  }
   bool gathered() const {
     return gathered_;
   }
@@ -58,18 +64,32 @@ class FlatUnit {
   bool all_trainable() const {
     return all_trainable_;
   }
-  /// Collective: the full parameters from every rank's shard.
-  void gather(World& world);
-  /// Points the parameters at nothing and gives the full tensor's memory back.
-  void free();
+  /// Collective: the full parameters from every rank's shard, in memory
+  /// from `pool` where it holds a block of the size.
+  void gather(World& world, BufferPool& pool);
+  /// This rank's elements of the full parameters into its shard (values
+  /// loaded into the module while gathered).
+  void write_back();
+  /// Points the parameters at nothing and gives the full tensor's memory
+  /// to `pool`.
+  void free(BufferPool& pool);
+  /// Before the unit's backward: its parameters' gradients become views of
+  /// one flat tensor (memory from `pool`), which autograd accumulates into
+  /// and reduce_gradients reduce-scatters as it is.
+  void attach_gradients(BufferPool& pool);
   /// Collective: the average over ranks of the parameters' gradients
   /// (zeros where a parameter has none) is added to the pieces' gradients;
-  /// the parameters' own gradients are dropped.
-  void reduce_gradients(World& world);
+  /// the parameters' own gradients are dropped. Gradients that were not
+  /// attached are put end to end in `scratch` first (grown to this unit's
+  /// size if need be).
+  void reduce_gradients(World& world, at::Tensor& scratch, BufferPool& pool);
 
  private:
   std::string name_;
   std::vector<Member> members_;
+  // The reduce-scatter of `flat` into the pieces' gradients.
+  void scatter_into_pieces(World& world, const at::Tensor& flat);
+
   int64_t per_rank_ = 0; // S
   int rank_ = 0;
   int ranks_ = 1;
@@ -78,6 +98,11 @@ class FlatUnit {
   at::Tensor full_;
   at::Tensor shard_;
   at::Tensor placeholder_;
+  // The attached gradients end to end (memory only while attached), and
+  // this rank's averages of them, which the pieces' gradients view.
+  at::Tensor grad_full_;
+  bool gradients_attached_ = false;
+  at::Tensor shard_grad_;
 };
 
 } // namespace lockstep::detail

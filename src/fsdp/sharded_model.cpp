@@ -23,56 +23,10 @@
 
 #include <lockstep/error.h>
 
-#include "fsdp/flat_unit.h"
+#include "fsdp/sharded_model_state.h"
 #include "fsdp/unit_registry.h"
 
 namespace lockstep::detail {
-
-struct ShardedModel::State : std::enable_shared_from_this<State> {
-  State(World world_in, FsdpOptions options_in)
-      : world(std::move(world_in)), options(options_in) {}
-
-  World world;
-  FsdpOptions options;
-  // Unit 0 is the root (what no declared unit holds); the others in the
-  // order of the module tree. A unit without parameters has none here.
-  std::vector<std::string> unit_names;
-  std::vector<std::unique_ptr<FlatUnit>> units;
-  std::vector<std::shared_ptr<torch::nn::Module>> unit_modules; // the declared ones sharded
-  std::vector<std::shared_ptr<UnitHooks>> hooks;
-  // Held: a parameter only keeps a weak reference to its accumulator.
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
-
-  // The step in progress.
-  std::vector<std::vector<char>> arrived; // per unit, per member
-  std::vector<size_t> pending;            // per unit: gradients still to come
-  std::vector<char> keep_gathered;        // outputs that no hook could reach
-  size_t unreduced = 0;                   // units [0, unreduced) still to reduce
-  bool backward_open = false;
-
-  void shard(torch::nn::Module& module);
-  std::shared_ptr<torch::autograd::Node> hook_accumulator(const at::Tensor& param, size_t unit,
-                                                          size_t member);
-  void reset_step();
-  void gather(size_t unit) {
-    units[unit]->gather(world);
-  }
-  void free_all() {
-    for (auto& unit : units) {
-      unit->free();
-    }
-  }
-  /// Hooks `outputs` so that a backward reaching them gathers `unit` first;
-  /// false where an output is not a tensor (no hook can reach it).
-  bool hook_outputs(size_t unit, const std::vector<at::Tensor>& outputs);
-  void on_output_gradient(size_t unit);
-  void on_gradient(size_t unit, size_t member);
-  void open_backward();
-  /// Reduces the units from the last unreduced one down while their
-  /// gradients are complete (all of them, with `to_the_end`).
-  void reduce_in_order(bool to_the_end);
-  void finish_backward();
-};
 
 namespace {
 
@@ -88,7 +42,7 @@ class UnitHooksOf : public UnitHooks {
   }
   void forward_failed() override {
     if (auto state = state_.lock()) {
-      state->units[unit_]->free();
+      state->free(unit_);
     }
   }
   void after_forward(const std::vector<at::Tensor>& outputs) override {
@@ -97,7 +51,7 @@ class UnitHooksOf : public UnitHooks {
       return;
     }
     if (!torch::autograd::GradMode::is_enabled()) {
-      state->units[unit_]->free(); // no backward follows
+      state->free(unit_); // no backward follows
       return;
     }
     bool reachable = state->hook_outputs(unit_, outputs);
@@ -105,7 +59,7 @@ class UnitHooksOf : public UnitHooks {
       return;
     }
     if (reachable) {
-      state->units[unit_]->free();
+      state->free(unit_);
     } else {
       state->keep_gathered[unit_] = 1;
     }
@@ -254,6 +208,7 @@ bool ShardedModel::State::hook_outputs(size_t unit, const std::vector<at::Tensor
 void ShardedModel::State::on_output_gradient(size_t unit) {
   open_backward();
   gather(unit);
+  units[unit]->attach_gradients(pool);
 }
 
 void ShardedModel::State::on_gradient(size_t unit, size_t member) {
@@ -289,11 +244,11 @@ void ShardedModel::State::reduce_in_order(bool to_the_end) {
     if (!to_the_end && (unit_names[unit].empty() || pending[unit] > 0)) {
       return;
     }
-    units[unit]->reduce_gradients(world);
+    units[unit]->reduce_gradients(world, gradient_scratch, pool);
     // A frozen parameter may still be needed by a later part of this
     // backward: such a unit is freed at its end.
     if (!to_the_end && units[unit]->all_trainable() && keep_gathered[unit] == 0) {
-      units[unit]->free();
+      free(unit);
     }
     --unreduced;
   }
@@ -377,7 +332,7 @@ torch::OrderedDict<std::string, at::Tensor> ShardedModel::full_parameters() {
       full.insert(member.name, member.param.detach().clone());
     }
     if (!was_gathered) {
-      unit.free();
+      state_->free(u);
     }
   }
   return full;

@@ -1,0 +1,71 @@
+#pragma once
+
+// FullyShardedDataParallel's state, shared by sharded_model.cpp (the life
+// of a step) and sharded_state.cpp (the state as checkpoints see it).
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <lockstep/fsdp.h>
+
+#include "fsdp/buffer_pool.h"
+#include "fsdp/flat_unit.h"
+
+namespace lockstep::detail {
+
+struct ShardedModel::State : std::enable_shared_from_this<State> {
+  State(World world_in, FsdpOptions options_in)
+      : world(std::move(world_in)), options(options_in) {}
+
+  World world;
+  FsdpOptions options;
+  // Unit 0 is the root (what no declared unit holds); the others in the
+  // order of the module tree. A unit without parameters has none here.
+  std::vector<std::string> unit_names;
+  std::vector<std::unique_ptr<FlatUnit>> units;
+  std::vector<std::shared_ptr<torch::nn::Module>> unit_modules; // the declared ones sharded
+  std::vector<std::shared_ptr<UnitHooks>> hooks;
+  // Held: a parameter only keeps a weak reference to its accumulator.
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
+  // Two blocks: a unit and one nested in it, or the one computing and the
+  // next.
+  BufferPool pool{2};
+  // A unit's gradients end to end on their way to the shards.
+  at::Tensor gradient_scratch;
+
+  // The step in progress.
+  std::vector<std::vector<char>> arrived; // per unit, per member
+  std::vector<size_t> pending;            // per unit: gradients still to come
+  std::vector<char> keep_gathered;        // outputs that no hook could reach
+  size_t unreduced = 0;                   // units [0, unreduced) still to reduce
+  bool backward_open = false;
+
+  void shard(torch::nn::Module& module);
+  std::shared_ptr<torch::autograd::Node> hook_accumulator(const at::Tensor& param, size_t unit,
+                                                          size_t member);
+  void reset_step();
+  void gather(size_t unit) {
+    units[unit]->gather(world, pool);
+  }
+  void free(size_t unit) {
+    units[unit]->free(pool);
+  }
+  void free_all() {
+    for (auto& unit : units) {
+      unit->free(pool);
+    }
+  }
+  /// Hooks `outputs` so that a backward reaching them gathers `unit` first;
+  /// false where an output is not a tensor (no hook can reach it).
+  bool hook_outputs(size_t unit, const std::vector<at::Tensor>& outputs);
+  void on_output_gradient(size_t unit);
+  void on_gradient(size_t unit, size_t member);
+  void open_backward();
+  /// Reduces the units from the last unreduced one down while their
+  /// gradients are complete (all of them, with `to_the_end`).
+  void reduce_in_order(bool to_the_end);
+  void finish_backward();
+};
+
+} // namespace lockstep::detail

@@ -1,0 +1,133 @@
+// FullyShardedDataParallel's state as checkpoints see it: the module's
+// parameters in full while summoned, and the optimizer's state of every
+// parameter in full, put together from the ranks' pieces, or taken apart
+// into them at any world size.
+
+#include <algorithm>
+#include <sstream>
+
+#include <ATen/ATen.h>
+#include <torch/optim/optimizer.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include <lockstep/error.h>
+
+#include "fsdp/sharded_model_state.h"
+#include "optim/parameter_state.h"
+#include "world/broadcast_bytes.h"
+
+namespace lockstep::detail {
+namespace {
+
+// A tensor of `shape` without memory: what the state functions need of a
+// parameter is its shape.
+at::Tensor shaped(const std::vector<int64_t>& shape, const at::Tensor& like) {
+  return at::empty(shape, like.options().device(at::kMeta));
+}
+
+std::string bytes_of(torch::serialize::OutputArchive& archive) {
+  std::ostringstream out;
+  archive.save_to(out);
+  return out.str();
+}
+
+} // namespace
+
+void ShardedModel::begin_full_parameters() {
+  LOCKSTEP_ENFORCE(!state_->backward_open, UsageError,
+                   "FullyShardedDataParallel: summon_full_parameters inside a backward; "
+                   "call it between steps.");
+  for (size_t u = 0; u < state_->units.size(); ++u) {
+    state_->gather(u);
+  }
+}
+
+void ShardedModel::end_full_parameters() {
+  for (size_t u = 0; u < state_->units.size(); ++u) {
+    state_->units[u]->write_back();
+    state_->free(u);
+  }
+}
+
+void ShardedModel::consolidate_optimizer_state(const torch::optim::Optimizer& sharded,
+                                               torch::optim::Optimizer& full, int to) {
+  // Every rank's pieces' states, each under its member's number.
+  torch::serialize::OutputArchive mine;
+  const torch::optim::OptimizerParamState* like = nullptr;
+  size_t number = 0;
+  for (const auto& unit : state_->units) {
+    for (const auto& member : unit->members()) {
+      const auto* state = member.piece.defined() ? find_state(sharded, member.piece) : nullptr;
+      if (state != nullptr) {
+        torch::serialize::OutputArchive piece;
+        state->serialize(piece);
+        mine.write(std::to_string(number), piece);
+        like = like != nullptr ? like : state;
+      }
+      ++number;
+    }
+  }
+  auto all = gather_bytes(state_->world, bytes_of(mine));
+  if (state_->world.rank() != to) {
+    return;
+  }
+  std::vector<torch::serialize::InputArchive> archives(all.size());
+  for (size_t r = 0; r < all.size(); ++r) {
+    std::istringstream in(bytes_of_tensor(all[r]));
+    archives[r].load_from(in);
+  }
+  number = 0;
+  for (const auto& unit : state_->units) {
+    for (const auto& member : unit->members()) {
+      auto key = std::to_string(number++);
+      std::vector<ParamState> slices;
+      int64_t first_length = 0;
+      for (size_t r = 0; r < archives.size(); ++r) {
+        torch::serialize::InputArchive piece;
+        if (!archives[r].try_read(key, piece)) {
+          continue;
+        }
+        LOCKSTEP_ENFORCE(like != nullptr, UsageError, "FullyShardedDataParallel: rank ", to,
+                         " holds no optimizer state of its own to consolidate the others' "
+                         "into; consolidate to a rank that has stepped some parameters.");
+        auto slice = like->clone();
+        slice->serialize(piece);
+        // The ranks hold consecutive pieces of the member: the first one's
+        // length tells the state's per-element tensors from the rest.
+        if (slices.empty()) {
+          int64_t rank_first = static_cast<int64_t>(r) * unit->per_rank();
+          first_length = std::min(member.offset + member.numel, rank_first + unit->per_rank()) -
+              std::max(member.offset, rank_first);
+        }
+        slices.push_back(std::move(slice));
+      }
+      if (!slices.empty()) {
+        put_state(full, member.param, joined_state(slices, first_length,
+                                                   shaped(member.shape, member.param)));
+      }
+    }
+  }
+}
+
+void ShardedModel::load_optimizer_state(torch::optim::Optimizer& sharded,
+                                        const torch::optim::Optimizer& full) {
+  for (const auto& unit : state_->units) {
+    for (const auto& member : unit->members()) {
+      const auto* whole = find_state(full, member.param);
+      if (whole == nullptr || !member.piece.defined()) {
+        continue;
+      }
+      put_state(sharded, member.piece,
+                state_slice(*whole, shaped(member.shape, member.param),
+                            member.piece_offset - member.offset, member.piece.numel()));
+    }
+  }
+  if (sharded.param_groups().size() == full.param_groups().size()) {
+    for (size_t g = 0; g < full.param_groups().size(); ++g) {
+      sharded.param_groups()[g].set_options(full.param_groups()[g].options().clone());
+    }
+  }
+}
+
+} // namespace lockstep::detail
