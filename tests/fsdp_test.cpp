@@ -7,16 +7,20 @@
 // with weight decay and clipping; at 2, 3 and 4 ranks.
 
 #include <cmath>
+#include <fstream>
+#include <iterator>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <lockstep/clip_grad_norm.h>
 #include <lockstep/fsdp.h>
+#include <lockstep/sync_batch_norm.h>
 #include <lockstep/world.h>
 
 #include "support/expect_error.h"
 #include "support/multiprocess.h"
+#include "support/scratch_folder.h"
 #include "support/tiny_transformer.h"
 #include "support/training.h"
 
@@ -139,6 +143,110 @@ INSTANTIATE_TEST_SUITE_P(
       return std::get<0>(info.param).name() + "_" + std::get<1>(info.param).name;
     });
 
+// A CNN whose BatchNorms are SyncBatchNorms declared without a world: the
+// wrapper binds them to its own, so that each normalises the global batch,
+// as one process's BatchNorm does. Each convolution block is a unit.
+struct ConvBlockImpl : torch::nn::Module {
+  ConvBlockImpl(int64_t in, int64_t out)
+      : conv(register_module(
+            "conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 3).padding(1)))),
+        norm(register_module("norm", SyncBatchNorm(torch::nn::BatchNormOptions(out)))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    return torch::relu(norm(conv(x)));
+  }
+  torch::nn::Conv2d conv;
+  SyncBatchNorm norm;
+};
+TORCH_MODULE(ConvBlock);
+
+struct SmallCnnImpl : torch::nn::Module {
+  SmallCnnImpl()
+      : first(register_module("first", Sharded<ConvBlock>(1, 4))),
+        second(register_module("second", Sharded<ConvBlock>(4, 4))),
+        head(register_module("head", torch::nn::Linear(4 * 4 * 4, 5))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    return head(second(torch::max_pool2d(first(x), 2)).flatten(1));
+  }
+  Sharded<ConvBlock> first, second;
+  torch::nn::Linear head;
+};
+TORCH_MODULE(SmallCnn);
+
+class FsdpBatchNorm : public ::testing::TestWithParam<WorldSetup> {};
+
+TEST_P(FsdpBatchNorm, ACnnWithSyncBatchNormTrainsAsOneProcess) {
+  auto setup = GetParam();
+  run_ranks(setup, [setup](int rank) {
+    World world = init();
+    torch::manual_seed(3);
+    SmallCnn reference;
+    reference->to(torch::kDouble);
+    torch::manual_seed(3);
+    SmallCnn model;
+    model->to(torch::kDouble);
+    FullyShardedDataParallel<SmallCnn> fsdp(model, world);
+    torch::optim::SGD reference_optimizer(reference->parameters(),
+                                          torch::optim::SGDOptions(0.1).momentum(0.9));
+    torch::optim::SGD optimizer(fsdp.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    int64_t share = kSamples / setup.size;
+    for (int64_t step = 0; step < 4; ++step) {
+      auto [x, y] = global_batch(step, kSamples, {1, 8, 8});
+      x = x.to(torch::kDouble);
+      y = y.to(torch::kDouble);
+      reference_optimizer.zero_grad();
+      torch::mse_loss(reference(x), y).backward();
+      reference_optimizer.step();
+      optimizer.zero_grad();
+      torch::mse_loss(fsdp(x.narrow(0, rank * share, share)), y.narrow(0, rank * share, share))
+          .backward();
+      optimizer.step();
+      auto full = fsdp.full_parameters();
+      for (const auto& item : reference->named_parameters()) {
+        EXPECT_TRUE(torch::allclose(full[item.key()], item.value(), 0, kFloat64Tolerance))
+            << item.key() << " at step " << step;
+      }
+      auto buffers = model->named_buffers();
+      for (const auto& item : reference->named_buffers()) {
+        EXPECT_TRUE(torch::allclose(buffers[item.key()], item.value(), 0, kFloat64Tolerance))
+            << item.key() << " at step " << step;
+      }
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSize, FsdpBatchNorm,
+                         ::testing::ValuesIn(two_three_and_four_ranks()),
+                         [](const auto& info) { return info.param.name(); });
+
+// The timeline shows each unit's gathers and reduce-scatters on a track of
+// their own.
+TEST(FsdpTimeline, GathersAndReduceScattersAreSpansOfTheirUnits) {
+  ScratchFolder folder("fsdp-timeline");
+  std::string prefix = folder / "trace";
+  LaunchOptions options;
+  options.world_size = 2;
+  options.environment = [&](int, RankEnvironment& env) {
+    env["LOCKSTEP_TIMELINE"] = prefix;
+  };
+  auto result = launch_ranks(options, [](int rank) {
+    World world = init();
+    torch::manual_seed(0);
+    TinyTransformer model(false);
+    model->to(torch::kDouble);
+    FullyShardedDataParallel<TinyTransformer> fsdp(model, world);
+    auto [tokens, targets] = token_batch(0);
+    loss_of(fsdp(tokens.narrow(0, rank * 6, 6)), targets.narrow(0, rank * 6, 6)).backward();
+  });
+  ASSERT_TRUE(result.ok()) << result.report();
+  std::ifstream trace(prefix + ".rank0.json");
+  std::string text((std::istreambuf_iterator<char>(trace)), std::istreambuf_iterator<char>());
+  for (const char* span : {"FSDP units", "gather root", "gather block0", "gather block2",
+                           "reduce-scatter block2", "reduce-scatter block0",
+                           "reduce-scatter root"}) {
+    EXPECT_NE(text.find(span), std::string::npos) << span;
+  }
+}
+
 // A unit that multiplies by a weight it is given, so that two units can be
 // given the same one.
 struct ProductImpl : torch::nn::Module {
@@ -188,6 +296,25 @@ TEST(FsdpErrors, TiedWeightsAcrossUnitsAndTwoDtypesInOneUnitAreRefusedByName) {
     auto sum = torch::ones({3});
     world.all_reduce(sum);
     EXPECT_TRUE(torch::equal(sum, torch::full({3}, 2.0)));
+  });
+}
+
+// The module's own forward, around the wrapper, would run on freed
+// parameters: the first unit it reaches says so, and the wrapper still
+// trains afterwards.
+TEST(FsdpErrors, TheModulesForwardAroundTheWrapperIsAUsageError) {
+  run_ranks(2, [](int rank) {
+    World world = init();
+    torch::manual_seed(0);
+    TinyTransformer model(false);
+    model->to(torch::kDouble);
+    FullyShardedDataParallel<TinyTransformer> fsdp(model, world);
+    auto [tokens, targets] = token_batch(0);
+    expect_error<UsageError>([&] { model->blocks[0](torch::randn({2, kTokens, kWidth})); },
+                             {"unit block0 ran outside the wrapper's forward",
+                              "Call the wrapper (fsdp(input))"});
+    loss_of(fsdp(tokens.narrow(0, rank * 6, 6)), targets.narrow(0, rank * 6, 6)).backward();
+    EXPECT_EQ(fsdp.parameters().front().grad().dim(), 1);
   });
 }
 

@@ -164,6 +164,17 @@ void FlatUnit::attach_gradients(BufferPool& pool) {
   gradients_attached_ = true;
 }
 
+void FlatUnit::drop_gradients(BufferPool& pool) {
+  if (!gradients_attached_) {
+    return;
+  }
+  for (auto& member : members_) {
+    member.param.mutable_grad().reset();
+  }
+  release_memory(grad_full_, pool);
+  gradients_attached_ = false;
+}
+
 void FlatUnit::reduce_gradients(World& world, at::Tensor& scratch, BufferPool& pool) {
   at::Tensor flat;
   if (gradients_attached_) {

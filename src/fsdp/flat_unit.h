@@ -77,6 +77,8 @@ class FlatUnit {
   /// one flat tensor (memory from `pool`), which autograd accumulates into
   /// and reduce_gradients reduce-scatters as it is.
   void attach_gradients(BufferPool& pool);
+  /// What a backward that never finished (it raised) attached, dropped.
+  void drop_gradients(BufferPool& pool);
   /// Collective: the average over ranks of the parameters' gradients
   /// (zeros where a parameter has none) is added to the pieces' gradients;
   /// the parameters' own gradients are dropped. Gradients that were not

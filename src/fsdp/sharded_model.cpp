@@ -22,6 +22,7 @@
 #include <torch/nn/module.h>
 
 #include <lockstep/error.h>
+#include <lockstep/sync_batch_norm.h>
 
 #include "fsdp/sharded_model_state.h"
 #include "fsdp/unit_registry.h"
@@ -37,6 +38,13 @@ class UnitHooksOf : public UnitHooks {
 
   void before_forward() override {
     if (auto state = state_.lock()) {
+      // Inside a backward, a unit may run again (activation checkpointing).
+      LOCKSTEP_ENFORCE(state->in_forward || state->backward_open, UsageError,
+                       "FullyShardedDataParallel: unit ",
+                       state->unit_names[unit_],
+                       " ran outside the wrapper's forward, where the parameters around it "
+                       "are not gathered. Call the wrapper (fsdp(input)), not the module's "
+                       "forward.");
       state->gather(unit_);
     }
   }
@@ -154,6 +162,13 @@ void ShardedModel::State::shard(torch::nn::Module& module) {
     auto tensor = buffer.value();
     world.broadcast(tensor, 0, str(buffer.key(), " from rank 0"));
   }
+  for (const auto& item : modules) {
+    auto* norm = dynamic_cast<SyncBatchNormImpl*>(item.value().get());
+    if (norm != nullptr && !norm->world) {
+      norm->world = world;
+      bound_norms.push_back(item.value());
+    }
+  }
   reset_step();
 }
 
@@ -176,6 +191,7 @@ void ShardedModel::State::reset_step() {
   arrived.clear();
   pending.clear();
   for (const auto& unit : units) {
+    unit->drop_gradients(pool);
     arrived.emplace_back(unit->members().size(), 0);
     size_t trainable = 0;
     for (const auto& member : unit->members()) {
@@ -244,7 +260,8 @@ void ShardedModel::State::reduce_in_order(bool to_the_end) {
     if (!to_the_end && (unit_names[unit].empty() || pending[unit] > 0)) {
       return;
     }
-    units[unit]->reduce_gradients(world, gradient_scratch, pool);
+    timed("reduce-scatter", unit,
+          [&] { units[unit]->reduce_gradients(world, gradient_scratch, pool); });
     // A frozen parameter may still be needed by a later part of this
     // backward: such a unit is freed at its end.
     if (!to_the_end && units[unit]->all_trainable() && keep_gathered[unit] == 0) {
@@ -269,6 +286,11 @@ ShardedModel::~ShardedModel() {
   for (const auto& module : state_->unit_modules) {
     detach_unit_hooks(*module);
   }
+  for (const auto& held : state_->bound_norms) {
+    if (auto module = held.lock()) {
+      dynamic_cast<SyncBatchNormImpl&>(*module).world.reset();
+    }
+  }
 }
 
 void ShardedModel::before_forward() {
@@ -280,14 +302,17 @@ void ShardedModel::before_forward() {
   if (!state_->units.empty() && state_->unit_names[0].empty()) {
     state_->gather(0);
   }
+  state_->in_forward = true;
 }
 
 void ShardedModel::forward_failed() {
+  state_->in_forward = false;
   state_->free_all();
   state_->reset_step();
 }
 
 void ShardedModel::after_forward(const std::vector<at::Tensor>& outputs) {
+  state_->in_forward = false;
   if (!torch::autograd::GradMode::is_enabled()) {
     state_->free_all();
     return;

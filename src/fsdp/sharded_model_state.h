@@ -11,6 +11,7 @@
 
 #include "fsdp/buffer_pool.h"
 #include "fsdp/flat_unit.h"
+#include "timeline/recorder.h"
 
 namespace lockstep::detail {
 
@@ -40,17 +41,38 @@ struct ShardedModel::State : std::enable_shared_from_this<State> {
   std::vector<char> keep_gathered;        // outputs that no hook could reach
   size_t unreduced = 0;                   // units [0, unreduced) still to reduce
   bool backward_open = false;
+  bool in_forward = false; // the wrapper's forward runs
 
   void shard(torch::nn::Module& module);
   std::shared_ptr<torch::autograd::Node> hook_accumulator(const at::Tensor& param, size_t unit,
                                                           size_t member);
   void reset_step();
+  // The SyncBatchNorms declared without a world, bound to this one for as
+  // long as the wrapper lives (as DistributedDataParallel binds them).
+  std::vector<std::weak_ptr<torch::nn::Module>> bound_norms;
+
   void gather(size_t unit) {
-    units[unit]->gather(world, pool);
+    if (!units[unit]->gathered()) {
+      timed("gather", unit, [&] { units[unit]->gather(world, pool); });
+    }
   }
   void free(size_t unit) {
     units[unit]->free(pool);
   }
+  /// Runs `body`, a span "`what` UNIT" on the timeline's FSDP track.
+  template <typename Body>
+  void timed(const char* what, size_t unit, Body&& body) {
+    if (!timeline::enabled()) {
+      body();
+      return;
+    }
+    auto begin = timeline::Clock::now();
+    body();
+    timeline::record(kTimelineTrack,
+                     str(what, " ", unit_names[unit].empty() ? "root" : unit_names[unit]),
+                     begin, timeline::Clock::now());
+  }
+  static inline const std::string kTimelineTrack = "FSDP units";
   void free_all() {
     for (auto& unit : units) {
       unit->free(pool);
