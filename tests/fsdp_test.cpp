@@ -247,6 +247,65 @@ TEST(FsdpTimeline, GathersAndReduceScattersAreSpansOfTheirUnits) {
   }
 }
 
+// A unit whose output is a view of its own parameter (a position table)
+// stays gathered until the end of backward; a forward without backward
+// between a backward and the step (an evaluation with autograd on) leaves
+// nothing gathered that the next step would read from before the update.
+struct PositionsImpl : torch::nn::Module {
+  PositionsImpl() : table(register_parameter("table", torch::randn({kTokens, kWidth}))) {}
+  torch::Tensor forward(int64_t tokens) {
+    return table.narrow(0, 0, tokens);
+  }
+  torch::Tensor table;
+};
+TORCH_MODULE(Positions);
+
+struct WithPositionsImpl : torch::nn::Module {
+  WithPositionsImpl()
+      : positions(register_module("positions", Sharded<Positions>())),
+        body(register_module("body", TinyTransformer(false))) {}
+  torch::Tensor forward(const torch::Tensor& tokens) {
+    auto x = body->embedding(tokens) + positions(tokens.size(1));
+    for (auto& block : body->blocks) {
+      x = block(x);
+    }
+    return torch::matmul(body->final_norm(x), body->embedding->weight.t());
+  }
+  Sharded<Positions> positions;
+  TinyTransformer body;
+};
+TORCH_MODULE(WithPositions);
+
+TEST(FsdpLife, AViewOfAUnitsParametersAndAForwardBetweenBackwardAndStep) {
+  run_ranks(2, [](int rank) {
+    World world = init();
+    torch::manual_seed(4);
+    WithPositions reference;
+    reference->to(torch::kDouble);
+    torch::manual_seed(4);
+    WithPositions model;
+    model->to(torch::kDouble);
+    FullyShardedDataParallel<WithPositions> fsdp(model, world);
+    torch::optim::Adam reference_optimizer(reference->parameters(), torch::optim::AdamOptions(1e-2));
+    torch::optim::Adam optimizer(fsdp.parameters(), torch::optim::AdamOptions(1e-2));
+    for (int64_t step = 0; step < 3; ++step) {
+      auto [tokens, targets] = token_batch(step);
+      reference_optimizer.zero_grad();
+      loss_of(reference(tokens), targets).backward();
+      reference_optimizer.step();
+      optimizer.zero_grad();
+      loss_of(fsdp(tokens.narrow(0, rank * 6, 6)), targets.narrow(0, rank * 6, 6)).backward();
+      fsdp(tokens.narrow(0, rank * 6, 6)); // with autograd, never backward
+      optimizer.step();
+      auto full = fsdp.full_parameters();
+      for (const auto& item : reference->named_parameters()) {
+        EXPECT_TRUE(torch::allclose(full[item.key()], item.value(), 0, kFloat64Tolerance))
+            << item.key() << " at step " << step;
+      }
+    }
+  });
+}
+
 // A unit that multiplies by a weight it is given, so that two units can be
 // given the same one.
 struct ProductImpl : torch::nn::Module {
@@ -269,14 +328,18 @@ struct TiedAcrossUnitsImpl : torch::nn::Module {
 };
 TORCH_MODULE(TiedAcrossUnits);
 
+// A unit of one dtype after a unit whose bias has another: refused before
+// the first unit is sharded.
 struct TwoDtypesImpl : torch::nn::Module {
-  TwoDtypesImpl() : layer(register_module("layer", Sharded<torch::nn::Linear>(4, 4))) {
+  TwoDtypesImpl()
+      : before(register_module("before", Sharded<torch::nn::Linear>(4, 4))),
+        layer(register_module("layer", Sharded<torch::nn::Linear>(4, 4))) {
     layer->bias.set_data(layer->bias.to(torch::kDouble));
   }
   torch::Tensor forward(const torch::Tensor& x) {
-    return layer(x);
+    return layer(before(x));
   }
-  Sharded<torch::nn::Linear> layer;
+  Sharded<torch::nn::Linear> before, layer;
 };
 TORCH_MODULE(TwoDtypes);
 
@@ -289,10 +352,12 @@ TEST(FsdpErrors, TiedWeightsAcrossUnitsAndTwoDtypesInOneUnitAreRefusedByName) {
         [&] { FullyShardedDataParallel<TiedAcrossUnits> fsdp(TiedAcrossUnits(), world); },
         {"first.weight and second.weight are one parameter (tied weights) in two units",
          "Tied weights must live in one unit"});
+    TwoDtypes two_dtypes;
     expect_error<ConfigError>(
-        [&] { FullyShardedDataParallel<TwoDtypes> fsdp(TwoDtypes(), world); },
+        [&] { FullyShardedDataParallel<TwoDtypes> fsdp(two_dtypes, world); },
         {"the parameters of one unit must share a dtype", "unit layer holds layer.weight",
          "layer.bias"});
+    EXPECT_EQ(two_dtypes->before->weight.numel(), 16) << "a refusal leaves the module as it was";
     auto sum = torch::ones({3});
     world.all_reduce(sum);
     EXPECT_TRUE(torch::equal(sum, torch::full({3}, 2.0)));
@@ -330,7 +395,7 @@ TEST(FsdpErrors, AUnitIsShardedByOneWrapperAtATime) {
     FullyShardedDataParallel<TwoDtypes> first(doubled, world);
     expect_error<ConfigError>(
         [&] { FullyShardedDataParallel<TwoDtypes> second(doubled, world); },
-        {"unit layer is already sharded by another FullyShardedDataParallel"});
+        {"unit before is already sharded by another FullyShardedDataParallel"});
   });
 }
 

@@ -18,10 +18,11 @@ class BufferPool {
  public:
   explicit BufferPool(size_t keep) : keep_(keep) {}
 
-  /// A kept block of exactly `bytes`, else a new one from `allocator`.
-  at::DataPtr take(size_t bytes, c10::Allocator& allocator) {
+  /// A kept block of exactly `bytes` on `device`, else a new one from
+  /// `allocator` (that device's).
+  at::DataPtr take(size_t bytes, const c10::Device& device, c10::Allocator& allocator) {
     for (auto it = kept_.begin(); it != kept_.end(); ++it) {
-      if (it->first == bytes) {
+      if (it->first == bytes && it->second.device() == device) {
         auto data = std::move(it->second);
         kept_.erase(it);
         return data;

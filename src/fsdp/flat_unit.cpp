@@ -26,7 +26,8 @@ void release_memory(const at::Tensor& tensor, BufferPool& pool) {
 
 void reserve_memory(const at::Tensor& tensor, BufferPool& pool) {
   auto* storage = tensor.storage().unsafeGetStorageImpl();
-  storage->set_data_ptr_noswap(pool.take(bytes_of(tensor), *storage->allocator()));
+  storage->set_data_ptr_noswap(
+      pool.take(bytes_of(tensor), tensor.device(), *storage->allocator()));
   storage->set_nbytes(bytes_of(tensor));
 }
 
@@ -39,32 +40,43 @@ at::Tensor alias_of(const at::Tensor& tensor, int64_t offset, int64_t numel) {
 
 } // namespace
 
+std::string FlatUnit::describe(const std::string& name) {
+  return name.empty() ? std::string("the root unit") : str("unit ", name);
+}
+
+void FlatUnit::check(const std::string& name,
+                     const std::vector<std::pair<std::string, at::Tensor>>& params) {
+  const auto& [first_name, first] = params.front();
+  for (const auto& [param_name, param] : params) {
+    LOCKSTEP_ENFORCE(param.scalar_type() == first.scalar_type() &&
+                         param.device() == first.device(),
+                     ConfigError, "FullyShardedDataParallel: the parameters of one unit must "
+                     "share a dtype and a device, and ", describe(name), " holds ", first_name,
+                     " (", first.scalar_type(), " on ", first.device(), ") and ", param_name,
+                     " (", param.scalar_type(), " on ", param.device(),
+                     "). Make the block with another dtype a unit of its own "
+                     "(lockstep::Sharded).");
+    LOCKSTEP_ENFORCE(param.layout() == at::kStrided, ConfigError,
+                     "FullyShardedDataParallel shards dense parameters only, and ",
+                     param_name, " is ", param.layout(), ".");
+  }
+}
+
 FlatUnit::FlatUnit(std::string name,
                    std::vector<std::pair<std::string, at::Tensor>> params,
                    World& world)
     : name_(std::move(name)), rank_(world.rank()), ranks_(world.size()) {
   TORCH_INTERNAL_ASSERT(!params.empty());
+  check(name_, params);
   const auto& first = params.front().second;
   int64_t total = 0;
   for (auto& [param_name, param] : params) {
-    LOCKSTEP_ENFORCE(param.scalar_type() == first.scalar_type() &&
-                         param.device() == first.device(),
-                     ConfigError, "FullyShardedDataParallel: the parameters of one unit must "
-                     "share a dtype and a device, and ", describe(), " holds ",
-                     params.front().first, " (", first.scalar_type(), " on ",
-                     first.device(), ") and ", param_name, " (", param.scalar_type(),
-                     " on ", param.device(), "). Make the block with another dtype a "
-                     "unit of its own (lockstep::Sharded).");
-    LOCKSTEP_ENFORCE(param.layout() == at::kStrided, ConfigError,
-                     "FullyShardedDataParallel shards dense parameters only, and ",
-                     param_name, " is ", param.layout(), ".");
     Member member;
     member.name = param_name;
     member.param = param;
     member.shape = param.sizes().vec();
     member.offset = total;
     member.numel = param.numel();
-    all_trainable_ = all_trainable_ && param.requires_grad();
     total += member.numel;
     members_.push_back(std::move(member));
   }
@@ -99,7 +111,21 @@ FlatUnit::FlatUnit(std::string name,
 }
 
 std::string FlatUnit::describe() const {
-  return name_.empty() ? std::string("the root unit") : str("unit ", name_);
+  return describe(name_);
+}
+
+bool FlatUnit::all_trainable() const {
+  for (const auto& member : members_) {
+    if (!member.param.requires_grad()) {
+      return false;
+    }
+  }
+  return true;
+}
+
+bool FlatUnit::holds(const at::Tensor& tensor) const {
+  return tensor.defined() && tensor.has_storage() &&
+      tensor.storage().unsafeGetStorageImpl() == full_.storage().unsafeGetStorageImpl();
 }
 
 void FlatUnit::gather(World& world, BufferPool& pool) {
@@ -107,7 +133,7 @@ void FlatUnit::gather(World& world, BufferPool& pool) {
     return;
   }
   reserve_memory(full_, pool);
-  all_gather_into(world, full_, shard_);
+  all_gather_into(world, full_, shard_, str("gather of ", describe()));
   at::NoGradGuard no_grad;
   for (auto& member : members_) {
     member.param.set_data(full_.narrow(0, member.offset, member.numel).view(member.shape));
@@ -180,7 +206,8 @@ void FlatUnit::reduce_gradients(World& world, at::Tensor& scratch, BufferPool& p
   if (gradients_attached_) {
     flat = grad_full_;
   } else {
-    if (!scratch.defined() || scratch.numel() < full_.numel()) {
+    if (!scratch.defined() || scratch.numel() < full_.numel() ||
+        scratch.scalar_type() != full_.scalar_type() || scratch.device() != full_.device()) {
       scratch = at::empty({full_.numel()}, full_.options());
     }
     flat = scratch.narrow(0, 0, full_.numel()).zero_();
@@ -227,7 +254,8 @@ void FlatUnit::scatter_into_pieces(World& world, const at::Tensor& flat) {
     if (!shard_grad_.defined()) {
       shard_grad_ = at::empty({per_rank_}, flat.options());
     }
-    reduce_scatter(world, shard_grad_, flat, ReduceOp::Average);
+    reduce_scatter(world, shard_grad_, flat, ReduceOp::Average,
+                   str("reduce-scatter of ", describe(), "'s gradients"));
     for (auto& member : members_) {
       if (member.piece.defined() && member.param.requires_grad()) {
         member.piece.mutable_grad() = piece_of(shard_grad_, member);
@@ -236,7 +264,8 @@ void FlatUnit::scatter_into_pieces(World& world, const at::Tensor& flat) {
     return;
   }
   auto mine = at::empty({per_rank_}, flat.options());
-  reduce_scatter(world, mine, flat, ReduceOp::Average);
+  reduce_scatter(world, mine, flat, ReduceOp::Average,
+                 str("reduce-scatter of ", describe(), "'s gradients"));
   for (auto& member : members_) {
     if (!member.piece.defined() || !member.param.requires_grad()) {
       continue;

@@ -49,6 +49,14 @@ class FlatUnit {
   }
   /// "unit NAME", or "the root unit", as errors name it.
   std::string describe() const;
+  static std::string describe(const std::string& name);
+  /// Raises ConfigError (the same on every rank) for parameters that one
+  /// flat tensor cannot hold: of two dtypes or devices, or not dense.
+  static void check(const std::string& name,
+                    const std::vector<std::pair<std::string, at::Tensor>>& params);
+  /// Whether `tensor` lives in the full parameters (a unit's output that
+  /// is a view of its own parameter).
+  bool holds(const at::Tensor& tensor) const;
   const std::vector<Member>& members() const {
     return members_;
   }
@@ -61,9 +69,7 @@ class FlatUnit {
   }
   /// Whether every parameter requires grad (a frozen one may be needed in
   /// backward after the others' gradients are in).
-  bool all_trainable() const {
-    return all_trainable_;
-  }
+  bool all_trainable() const;
   /// Collective: the full parameters from every rank's shard, in memory
   /// from `pool` where it holds a block of the size.
   void gather(World& world, BufferPool& pool);
@@ -95,7 +101,6 @@ class FlatUnit {
   int64_t per_rank_ = 0; // S
   int rank_ = 0;
   int ranks_ = 1;
-  bool all_trainable_ = true;
   bool gathered_ = false;
   at::Tensor full_;
   at::Tensor shard_;

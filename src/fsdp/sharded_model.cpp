@@ -11,6 +11,7 @@
 
 #include <lockstep/fsdp.h>
 
+#include <optional>
 #include <unordered_map>
 
 #include <ATen/ATen.h>
@@ -58,18 +59,24 @@ class UnitHooksOf : public UnitHooks {
     if (!state) {
       return;
     }
+    // An output that is a view of the unit's own parameters would be read
+    // after they are freed; one that no hook reaches would be needed in a
+    // backward that nothing gathers for. Either keeps the unit gathered.
+    bool keep = false;
+    for (const auto& output : outputs) {
+      keep = keep || state->units[unit_]->holds(output);
+    }
     if (!torch::autograd::GradMode::is_enabled()) {
-      state->free(unit_); // no backward follows
+      state->keep_gathered[unit_] = state->keep_gathered[unit_] || keep;
+      if (state->keep_gathered[unit_] == 0) {
+        state->free(unit_); // no backward follows
+      }
       return;
     }
-    bool reachable = state->hook_outputs(unit_, outputs);
-    if (!state->options.reshard_after_forward()) {
-      return;
-    }
-    if (reachable) {
+    keep = !state->hook_outputs(unit_, outputs) || keep;
+    state->keep_gathered[unit_] = state->keep_gathered[unit_] || keep;
+    if (state->options.reshard_after_forward() && state->keep_gathered[unit_] == 0) {
       state->free(unit_);
-    } else {
-      state->keep_gathered[unit_] = 1;
     }
   }
 
@@ -129,8 +136,24 @@ void ShardedModel::State::shard(torch::nn::Module& module) {
       members[owner].emplace_back(name, param.value());
     }
   }
-  // Every unit is claimed before any is sharded: a refusal leaves the
-  // module as it was.
+  // Every unit is checked and claimed before any is sharded: a refusal
+  // leaves the module as it was.
+  std::optional<std::pair<std::string, at::Device>> device;
+  for (size_t u = 0; u < names.size(); ++u) {
+    if (members[u].empty()) {
+      continue;
+    }
+    FlatUnit::check(names[u], members[u]);
+    const auto& [name, first] = members[u].front();
+    if (!device) {
+      device.emplace(name, first.device());
+    }
+    // CPU and CUDA units would run their backward on two threads at once.
+    LOCKSTEP_ENFORCE(first.device() == device->second, ConfigError,
+                     "FullyShardedDataParallel: the units live on one device, and ",
+                     device->first, " is on ", device->second, " while ", name, " is on ",
+                     first.device(), ".");
+  }
   size_t index = members[0].empty() ? 0 : 1;
   for (size_t u = 1; u < names.size(); ++u) {
     if (members[u].empty()) {
@@ -299,6 +322,17 @@ void ShardedModel::before_forward() {
   if (state_->backward_open) {
     state_->reset_step();
   }
+  // What an earlier forward left gathered (one whose backward has not
+  // come, or one without autograd) holds the parameters from before any
+  // step since: freed, or gathered afresh where a unit must stay gathered
+  // for that forward's backward. A backward's hooks gather the rest again.
+  for (size_t u = 0; u < state_->units.size(); ++u) {
+    bool kept = state_->keep_gathered[u] != 0 && state_->units[u]->gathered();
+    state_->free(u);
+    if (kept) {
+      state_->gather(u);
+    }
+  }
   if (!state_->units.empty() && state_->unit_names[0].empty()) {
     state_->gather(0);
   }
@@ -314,7 +348,11 @@ void ShardedModel::forward_failed() {
 void ShardedModel::after_forward(const std::vector<at::Tensor>& outputs) {
   state_->in_forward = false;
   if (!torch::autograd::GradMode::is_enabled()) {
-    state_->free_all();
+    for (size_t u = 0; u < state_->units.size(); ++u) {
+      if (state_->keep_gathered[u] == 0) {
+        state_->free(u);
+      }
+    }
     return;
   }
   if (!state_->units.empty() && state_->unit_names[0].empty()) {
@@ -352,6 +390,8 @@ torch::OrderedDict<std::string, at::Tensor> ShardedModel::full_parameters() {
   for (size_t u = 0; u < state_->units.size(); ++u) {
     auto& unit = *state_->units[u];
     bool was_gathered = unit.gathered();
+    // Gathered afresh: what an earlier forward gathered may predate a step.
+    state_->free(u);
     state_->gather(u);
     for (const auto& member : unit.members()) {
       full.insert(member.name, member.param.detach().clone());

@@ -38,7 +38,9 @@ void ShardedModel::begin_full_parameters() {
   LOCKSTEP_ENFORCE(!state_->backward_open, UsageError,
                    "FullyShardedDataParallel: summon_full_parameters inside a backward; "
                    "call it between steps.");
+  // Gathered afresh: what an earlier forward gathered may predate a step.
   for (size_t u = 0; u < state_->units.size(); ++u) {
+    state_->free(u);
     state_->gather(u);
   }
 }

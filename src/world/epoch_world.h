@@ -75,9 +75,10 @@ struct WorldAccess {
   /// sharded_collectives.h's, on flat contiguous tensors of one dtype whose
   /// sizes were checked.
   static void all_gather_into(const World& world, const at::Tensor& output,
-                              const at::Tensor& input);
+                              const at::Tensor& input, const std::string& description);
   static void reduce_scatter(const World& world, const at::Tensor& output,
-                             const at::Tensor& input, ReduceOp op);
+                             const at::Tensor& input, ReduceOp op,
+                             const std::string& description);
 };
 
 } // namespace lockstep::detail

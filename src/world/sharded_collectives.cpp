@@ -25,20 +25,22 @@ void check(const char* operation, const at::Tensor& whole, const at::Tensor& par
 
 } // namespace
 
-void all_gather_into(World& world, at::Tensor& output, const at::Tensor& input) {
+void all_gather_into(World& world, at::Tensor& output, const at::Tensor& input,
+                     const std::string& description) {
   check("all_gather_into", output, input, world);
   LOCKSTEP_ENFORCE(output.is_contiguous(), UsageError, "rank ", world.rank(),
                    ": all_gather_into writes a contiguous output; pass a contiguous tensor.");
-  detail::WorldAccess::all_gather_into(world, output.view({-1}),
-                                       input.contiguous().view({-1}));
+  detail::WorldAccess::all_gather_into(world, output.view({-1}), input.contiguous().view({-1}),
+                                       description);
 }
 
-void reduce_scatter(World& world, at::Tensor& output, const at::Tensor& input, ReduceOp op) {
+void reduce_scatter(World& world, at::Tensor& output, const at::Tensor& input, ReduceOp op,
+                    const std::string& description) {
   check("reduce_scatter", input, output, world);
   LOCKSTEP_ENFORCE(output.is_contiguous(), UsageError, "rank ", world.rank(),
                    ": reduce_scatter writes a contiguous output; pass a contiguous tensor.");
   detail::WorldAccess::reduce_scatter(world, output.view({-1}), input.contiguous().view({-1}),
-                                      op);
+                                      op, description);
 }
 
 } // namespace lockstep

@@ -393,19 +393,21 @@ std::vector<at::Tensor> World::all_gather(const at::Tensor& tensor) {
 namespace detail {
 
 void WorldAccess::all_gather_into(const World& world, const at::Tensor& output,
-                                  const at::Tensor& input) {
+                                  const at::Tensor& input, const std::string& description) {
   auto& impl = *world.impl_;
   std::vector<at::Tensor> outputs;
   for (int rank = 0; rank < world.size(); ++rank) {
     outputs.push_back(output.narrow(0, rank * input.numel(), input.numel()));
   }
-  run_collective(impl, str("all_gather_into of ", describe(input)), [&] {
+  run_collective(impl, description.empty() ? str("all_gather_into of ", describe(input))
+                                           : description, [&] {
     return impl.transport_for(input).all_gather(outputs, input);
   });
 }
 
 void WorldAccess::reduce_scatter(const World& world, const at::Tensor& output,
-                                 const at::Tensor& input, ReduceOp op) {
+                                 const at::Tensor& input, ReduceOp op,
+                                 const std::string& description) {
   auto& impl = *world.impl_;
   int size = world.size();
   bool average = op == ReduceOp::Average;
@@ -414,7 +416,8 @@ void WorldAccess::reduce_scatter(const World& world, const at::Tensor& output,
   // Where the transport has no reduce-scatter of its own: an all-reduce of
   // a copy, of which this rank keeps its slice.
   at::Tensor reduced;
-  run_collective(impl, str("reduce_scatter of ", describe(input)), [&] {
+  run_collective(impl, description.empty() ? str("reduce_scatter of ", describe(input))
+                                           : description, [&] {
     auto& transport = impl.transport_for(input);
     if (auto work = transport.reduce_scatter(output, source, reduce)) {
       return work;
