@@ -306,6 +306,60 @@ TEST(FsdpLife, AViewOfAUnitsParametersAndAForwardBetweenBackwardAndStep) {
   });
 }
 
+// Gradients that travel in bfloat16: each rank's rounded to it, each share
+// halved in bfloat16, the two summed in float32 and rounded once (World's
+// 16-bit average), back in float64 for the step: computed here by hand from
+// each shard's own gradients, and equal to the bit. A dtype that is not
+// floating is refused.
+TEST(FsdpReduceDtype, Bfloat16GradientsAverageAsTheDtypeRoundsThem) {
+  run_ranks(2, [](int rank) {
+    World world = init();
+    torch::manual_seed(0);
+    TinyTransformer reference(false);
+    reference->to(torch::kDouble);
+    torch::manual_seed(0);
+    TinyTransformer model(false);
+    model->to(torch::kDouble);
+    FullyShardedDataParallel<TinyTransformer> fsdp(
+        model, world, FsdpOptions().reduce_dtype(torch::kBFloat16));
+    torch::optim::SGD reference_optimizer(reference->parameters(), 0.1);
+    torch::optim::SGD optimizer(fsdp.parameters(), 0.1);
+    for (int64_t step = 0; step < 2; ++step) {
+      auto [tokens, targets] = token_batch(step);
+      std::vector<std::vector<torch::Tensor>> shares;
+      for (int r = 0; r < 2; ++r) {
+        reference_optimizer.zero_grad();
+        loss_of(reference(tokens.narrow(0, r * 6, 6)), targets.narrow(0, r * 6, 6)).backward();
+        std::vector<torch::Tensor> share;
+        for (const auto& param : reference->parameters()) {
+          share.push_back(param.grad().to(torch::kBFloat16).div(2).to(torch::kFloat));
+        }
+        shares.push_back(share);
+      }
+      auto params = reference->parameters();
+      for (size_t i = 0; i < params.size(); ++i) {
+        params[i].mutable_grad() =
+            (shares[0][i] + shares[1][i]).to(torch::kBFloat16).to(torch::kDouble);
+      }
+      reference_optimizer.step();
+      optimizer.zero_grad();
+      loss_of(fsdp(tokens.narrow(0, rank * 6, 6)), targets.narrow(0, rank * 6, 6)).backward();
+      optimizer.step();
+      auto full = fsdp.full_parameters();
+      for (const auto& item : reference->named_parameters()) {
+        EXPECT_TRUE(torch::equal(full[item.key()], item.value()))
+            << item.key() << " at step " << step;
+      }
+    }
+    expect_error<ConfigError>(
+        [&] {
+          FullyShardedDataParallel<TinyTransformer> refused(
+              TinyTransformer(false), world, FsdpOptions().reduce_dtype(torch::kInt));
+        },
+        {"FsdpOptions::reduce_dtype takes a floating dtype", "not Int"});
+  });
+}
+
 // A unit that multiplies by a weight it is given, so that two units can be
 // given the same one.
 struct ProductImpl : torch::nn::Module {

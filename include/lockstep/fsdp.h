@@ -37,6 +37,7 @@
 // is the block itself. See docs/ddp.md, "When the model does not fit".
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -56,6 +57,13 @@ struct FsdpOptions {
   /// from the forward to the unit's backward: one gather less per step, the
   /// memory of every unit's parameters at the end of forward.
   TORCH_ARG(bool, reshard_after_forward) = true;
+  /// The dtype the gradients travel in (bfloat16 or float16 halve the
+  /// bytes of every reduce-scatter): each rank's gradients are rounded to
+  /// it, averaged in it as World averages 16-bit tensors (each share
+  /// divided, the shares summed in float32, rounded once), and the average
+  /// returns to the parameters' dtype. Unset: their own dtype. PyTorch's
+  /// MixedPrecision(reduce_dtype=...).
+  TORCH_ARG(std::optional<at::ScalarType>, reduce_dtype);
 };
 
 namespace detail {

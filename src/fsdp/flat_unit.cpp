@@ -201,7 +201,8 @@ void FlatUnit::drop_gradients(BufferPool& pool) {
   gradients_attached_ = false;
 }
 
-void FlatUnit::reduce_gradients(World& world, at::Tensor& scratch, BufferPool& pool) {
+void FlatUnit::reduce_gradients(World& world, at::Tensor& scratch, BufferPool& pool,
+                                std::optional<at::ScalarType> wire) {
   at::Tensor flat;
   if (gradients_attached_) {
     flat = grad_full_;
@@ -231,7 +232,7 @@ void FlatUnit::reduce_gradients(World& world, at::Tensor& scratch, BufferPool& p
   // The same on every rank: whether a unit holds a trainable parameter
   // depends on the model alone.
   if (any_trainable) {
-    scatter_into_pieces(world, flat);
+    scatter_into_pieces(world, flat, wire);
   }
   if (gradients_attached_) {
     release_memory(grad_full_, pool);
@@ -239,8 +240,22 @@ void FlatUnit::reduce_gradients(World& world, at::Tensor& scratch, BufferPool& p
   }
 }
 
-void FlatUnit::scatter_into_pieces(World& world, const at::Tensor& flat) {
+void FlatUnit::scatter_into_pieces(World& world, const at::Tensor& flat,
+                                   std::optional<at::ScalarType> wire) {
   int64_t mine_first = rank_ * per_rank_;
+  // The average of `flat` over the ranks, this rank's slice into `out`;
+  // in `wire`'s dtype on the way where one is asked for.
+  auto average_into = [&](at::Tensor& out) {
+    auto what = str("reduce-scatter of ", describe(), "'s gradients");
+    if (!wire || *wire == flat.scalar_type()) {
+      reduce_scatter(world, out, flat, ReduceOp::Average, what);
+      return;
+    }
+    auto sent = flat.to(*wire);
+    auto received = at::empty({per_rank_}, sent.options());
+    reduce_scatter(world, received, sent, ReduceOp::Average, what);
+    out.copy_(received);
+  };
   auto piece_of = [&](const at::Tensor& slice, const Member& member) {
     return alias_of(slice, member.piece_offset - mine_first, member.piece.numel());
   };
@@ -254,8 +269,7 @@ void FlatUnit::scatter_into_pieces(World& world, const at::Tensor& flat) {
     if (!shard_grad_.defined()) {
       shard_grad_ = at::empty({per_rank_}, flat.options());
     }
-    reduce_scatter(world, shard_grad_, flat, ReduceOp::Average,
-                   str("reduce-scatter of ", describe(), "'s gradients"));
+    average_into(shard_grad_);
     for (auto& member : members_) {
       if (member.piece.defined() && member.param.requires_grad()) {
         member.piece.mutable_grad() = piece_of(shard_grad_, member);
@@ -264,8 +278,7 @@ void FlatUnit::scatter_into_pieces(World& world, const at::Tensor& flat) {
     return;
   }
   auto mine = at::empty({per_rank_}, flat.options());
-  reduce_scatter(world, mine, flat, ReduceOp::Average,
-                 str("reduce-scatter of ", describe(), "'s gradients"));
+  average_into(mine);
   for (auto& member : members_) {
     if (!member.piece.defined() || !member.param.requires_grad()) {
       continue;

@@ -9,6 +9,7 @@
 // once they are gathered for backward.
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -89,14 +90,16 @@ class FlatUnit {
   /// (zeros where a parameter has none) is added to the pieces' gradients;
   /// the parameters' own gradients are dropped. Gradients that were not
   /// attached are put end to end in `scratch` first (grown to this unit's
-  /// size if need be).
-  void reduce_gradients(World& world, at::Tensor& scratch, BufferPool& pool);
+  /// size if need be). With `wire`, they travel in that dtype.
+  void reduce_gradients(World& world, at::Tensor& scratch, BufferPool& pool,
+                        std::optional<at::ScalarType> wire);
 
  private:
   std::string name_;
   std::vector<Member> members_;
   // The reduce-scatter of `flat` into the pieces' gradients.
-  void scatter_into_pieces(World& world, const at::Tensor& flat);
+  void scatter_into_pieces(World& world, const at::Tensor& flat,
+                           std::optional<at::ScalarType> wire);
 
   int64_t per_rank_ = 0; // S
   int rank_ = 0;

@@ -97,6 +97,10 @@ std::string joined(const std::string& prefix, const std::string& name) {
 } // namespace
 
 void ShardedModel::State::shard(torch::nn::Module& module) {
+  auto wire = options.reduce_dtype();
+  LOCKSTEP_ENFORCE(!wire || at::isFloatingType(*wire), ConfigError,
+                   "FsdpOptions::reduce_dtype takes a floating dtype (Half, BFloat16, Float, "
+                   "Double), not ", *wire, ".");
   auto modules = module.named_modules("", /*include_self=*/true);
   std::vector<std::string> names{""};
   std::vector<std::shared_ptr<torch::nn::Module>> declared{nullptr};
@@ -284,7 +288,8 @@ void ShardedModel::State::reduce_in_order(bool to_the_end) {
       return;
     }
     timed("reduce-scatter", unit,
-          [&] { units[unit]->reduce_gradients(world, gradient_scratch, pool); });
+          [&] { units[unit]->reduce_gradients(world, gradient_scratch, pool,
+                                                    options.reduce_dtype()); });
     // A frozen parameter may still be needed by a later part of this
     // backward: such a unit is freed at its end.
     if (!to_the_end && units[unit]->all_trainable() && keep_gathered[unit] == 0) {
