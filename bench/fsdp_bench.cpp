@@ -14,7 +14,7 @@
 // and Adam's two moments that one rank holds, by the mode's own account.
 //
 //   fsdp_bench MODE [ITERATIONS=3] [WIDTH=1024] [DEPTH=18] [BATCH=16]
-//   MODE: ddp | zero1 | fsdp | fsdp_kept
+//   MODE: ddp | zero1 | fsdp | fsdp_kept | fsdp_prefetch
 //
 // The model: DEPTH residual blocks (LayerNorm, Linear WIDTH -> 4 WIDTH,
 // GELU, Linear back), each a unit under FSDP, then a Linear head in the
@@ -135,8 +135,11 @@ int train(int argc, char** argv) {
           ZeroOptions().partition(ZeroPartition::Elements));
       state = (2 * parameters + 2 * parameters / ranks) * mib;
     }
-  } else if (mode == "fsdp" || mode == "fsdp_kept") {
-    fsdp.emplace(model, world, FsdpOptions().reshard_after_forward(mode == "fsdp"));
+  } else if (mode == "fsdp" || mode == "fsdp_kept" || mode == "fsdp_prefetch") {
+    fsdp.emplace(model, world,
+                 FsdpOptions()
+                     .reshard_after_forward(mode != "fsdp_kept")
+                     .prefetch(mode == "fsdp_prefetch"));
     optimizer = std::make_unique<torch::optim::Adam>(fsdp->parameters(),
                                                      torch::optim::AdamOptions(1e-4));
     state = 4 * parameters / ranks * mib;

@@ -29,6 +29,7 @@ names = {
     "zero1": "DDP + ZeRO-1 (ZeroRedundancyOptimizer, element slices)",
     "fsdp": "FSDP (ZeRO-3), reshard after forward",
     "fsdp_kept": "FSDP, parameters kept from forward to backward",
+    "fsdp_prefetch": "FSDP, reshard after forward, prefetching the next unit",
     "fsdp2": "FSDP2 fully_shard",
 }
 lines = [

@@ -52,6 +52,7 @@ struct Case {
   bool reshard_after_forward;
   Optim optim;
   std::string name;
+  bool prefetch = false;
 };
 void PrintTo(const Case& c, std::ostream* out) {
   *out << c.name;
@@ -70,7 +71,8 @@ TEST_P(Fsdp, ShardsTrainAsOneProcessOnTheWholeBatch) {
     TinyTransformer model(c.nested);
     model->to(torch::kDouble);
     FullyShardedDataParallel<TinyTransformer> fsdp(
-        model, world, FsdpOptions().reshard_after_forward(c.reshard_after_forward));
+        model, world,
+        FsdpOptions().reshard_after_forward(c.reshard_after_forward).prefetch(c.prefetch));
     std::vector<std::string> units{"", "block0", "block1", "block2"};
     if (c.nested) {
       units = {"", "block0", "block0.feed_forward", "block1", "block1.feed_forward",
@@ -136,7 +138,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Combine(
         ::testing::ValuesIn(two_three_and_four_ranks()),
         ::testing::Values(Case{false, true, Optim::SgdMomentum, "sgd"},
-                          Case{true, true, Optim::Adam, "nested_adam"},
+                          Case{false, true, Optim::SgdMomentum, "prefetching_sgd", true},
+                          Case{true, true, Optim::Adam, "nested_prefetching_adam", true},
                           Case{false, false, Optim::AdamWClipped, "kept_gathered_adamw_clipped"},
                           Case{true, false, Optim::SgdMomentum, "nested_kept_gathered_sgd"})),
     [](const auto& info) {
@@ -218,8 +221,9 @@ INSTANTIATE_TEST_SUITE_P(WorldSize, FsdpBatchNorm,
                          ::testing::ValuesIn(two_three_and_four_ranks()),
                          [](const auto& info) { return info.param.name(); });
 
-// The timeline shows each unit's gathers and reduce-scatters on a track of
-// their own.
+// The timeline shows each unit's gathers, prefetches and reduce-scatters on
+// a track of their own: in the second step, forward prefetches block1 and
+// block2, backward block1 and block0.
 TEST(FsdpTimeline, GathersAndReduceScattersAreSpansOfTheirUnits) {
   ScratchFolder folder("fsdp-timeline");
   std::string prefix = folder / "trace";
@@ -233,16 +237,19 @@ TEST(FsdpTimeline, GathersAndReduceScattersAreSpansOfTheirUnits) {
     torch::manual_seed(0);
     TinyTransformer model(false);
     model->to(torch::kDouble);
-    FullyShardedDataParallel<TinyTransformer> fsdp(model, world);
-    auto [tokens, targets] = token_batch(0);
-    loss_of(fsdp(tokens.narrow(0, rank * 6, 6)), targets.narrow(0, rank * 6, 6)).backward();
+    FullyShardedDataParallel<TinyTransformer> fsdp(model, world, FsdpOptions().prefetch(true));
+    for (int64_t step = 0; step < 2; ++step) { // the second follows the first's order
+      auto [tokens, targets] = token_batch(step);
+      loss_of(fsdp(tokens.narrow(0, rank * 6, 6)), targets.narrow(0, rank * 6, 6)).backward();
+    }
   });
   ASSERT_TRUE(result.ok()) << result.report();
   std::ifstream trace(prefix + ".rank0.json");
   std::string text((std::istreambuf_iterator<char>(trace)), std::istreambuf_iterator<char>());
   for (const char* span : {"FSDP units", "gather root", "gather block0", "gather block2",
                            "reduce-scatter block2", "reduce-scatter block0",
-                           "reduce-scatter root"}) {
+                           "reduce-scatter root", "prefetch block1", "prefetch block2",
+                           "prefetch block0"}) {
     EXPECT_NE(text.find(span), std::string::npos) << span;
   }
 }

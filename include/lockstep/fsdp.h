@@ -64,6 +64,13 @@ struct FsdpOptions {
   /// returns to the parameters' dtype. Unset: their own dtype. PyTorch's
   /// MixedPrecision(reduce_dtype=...).
   TORCH_ARG(std::optional<at::ScalarType>, reduce_dtype);
+  /// Start gathering the next unit while the current one computes: in
+  /// forward the unit that followed this one in the last step's forward,
+  /// in backward the one that preceded it (FSDP's forward_prefetch and
+  /// BACKWARD_PRE). One more unit's parameters in memory at a time. Over
+  /// Gloo the gather runs meanwhile; over shared memory it moves when the
+  /// rank next calls into the transport, so it gains little there.
+  TORCH_ARG(bool, prefetch) = false;
 };
 
 namespace detail {

@@ -9,6 +9,8 @@
 #include <lockstep/error.h>
 #include <lockstep/sharded_collectives.h>
 
+#include "world/epoch_world.h"
+
 namespace lockstep::detail {
 namespace {
 
@@ -132,8 +134,27 @@ void FlatUnit::gather(World& world, BufferPool& pool) {
   if (gathered_) {
     return;
   }
+  prefetch(world, pool);
+  finish_gather();
+}
+
+void FlatUnit::prefetch(World& world, BufferPool& pool) {
+  if (gathered_ || arriving_) {
+    return;
+  }
   reserve_memory(full_, pool);
-  all_gather_into(world, full_, shard_, str("gather of ", describe()));
+  arriving_.emplace(
+      WorldAccess::all_gather_into_async(world, full_, shard_, str("gather of ", describe())));
+}
+
+void FlatUnit::finish_gather() {
+  if (!arriving_) {
+    return;
+  }
+  // Waited for once, whether it completes or raises.
+  auto arriving = std::move(*arriving_);
+  arriving_.reset();
+  arriving.wait();
   at::NoGradGuard no_grad;
   for (auto& member : members_) {
     member.param.set_data(full_.narrow(0, member.offset, member.numel).view(member.shape));
@@ -159,6 +180,8 @@ void FlatUnit::write_back() {
 }
 
 void FlatUnit::free(BufferPool& pool) {
+  // A gather in flight writes into the memory: it completes first.
+  finish_gather();
   if (!gathered_) {
     return;
   }

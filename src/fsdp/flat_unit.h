@@ -72,8 +72,12 @@ class FlatUnit {
   /// backward after the others' gradients are in).
   bool all_trainable() const;
   /// Collective: the full parameters from every rank's shard, in memory
-  /// from `pool` where it holds a block of the size.
+  /// from `pool` where it holds a block of the size (completing a
+  /// prefetch where one is in flight).
   void gather(World& world, BufferPool& pool);
+  /// Collective: starts gathering and returns; gather() or free() completes
+  /// it.
+  void prefetch(World& world, BufferPool& pool);
   /// This rank's elements of the full parameters into its shard (values
   /// loaded into the module while gathered).
   void write_back();
@@ -104,7 +108,11 @@ class FlatUnit {
   int64_t per_rank_ = 0; // S
   int rank_ = 0;
   int ranks_ = 1;
+  // Waits for a prefetch and points the parameters at what it gathered.
+  void finish_gather();
+
   bool gathered_ = false;
+  std::optional<PendingCollective> arriving_; // a prefetch in flight
   at::Tensor full_;
   at::Tensor shard_;
   at::Tensor placeholder_;

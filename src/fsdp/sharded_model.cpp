@@ -11,6 +11,7 @@
 
 #include <lockstep/fsdp.h>
 
+#include <algorithm>
 #include <optional>
 #include <unordered_map>
 
@@ -47,6 +48,11 @@ class UnitHooksOf : public UnitHooks {
                        "are not gathered. Call the wrapper (fsdp(input)), not the module's "
                        "forward.");
       state->gather(unit_);
+      if (std::find(state->forward_order.begin(), state->forward_order.end(), unit_) ==
+          state->forward_order.end()) {
+        state->forward_order.push_back(unit_);
+      }
+      state->prefetch_from(unit_, +1);
     }
   }
   void forward_failed() override {
@@ -252,6 +258,7 @@ void ShardedModel::State::on_output_gradient(size_t unit) {
   open_backward();
   gather(unit);
   units[unit]->attach_gradients(pool);
+  prefetch_from(unit, -1);
 }
 
 void ShardedModel::State::on_gradient(size_t unit, size_t member) {
@@ -340,6 +347,15 @@ void ShardedModel::before_forward() {
   }
   if (!state_->units.empty() && state_->unit_names[0].empty()) {
     state_->gather(0);
+  }
+  // What prefetch follows: the order of the last forward that ran units.
+  if (!state_->forward_order.empty()) {
+    state_->last_forward_order = std::move(state_->forward_order);
+    state_->forward_order.clear();
+    state_->place_in_last.assign(state_->units.size(), std::nullopt);
+    for (size_t i = 0; i < state_->last_forward_order.size(); ++i) {
+      state_->place_in_last[state_->last_forward_order[i]] = i;
+    }
   }
   state_->in_forward = true;
 }

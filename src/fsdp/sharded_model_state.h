@@ -4,6 +4,7 @@
 // of a step) and sharded_state.cpp (the state as checkpoints see it).
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -17,7 +18,7 @@ namespace lockstep::detail {
 
 struct ShardedModel::State : std::enable_shared_from_this<State> {
   State(World world_in, FsdpOptions options_in)
-      : world(std::move(world_in)), options(options_in) {}
+      : world(std::move(world_in)), options(options_in), pool(options.prefetch() ? 3 : 2) {}
 
   World world;
   FsdpOptions options;
@@ -29,9 +30,9 @@ struct ShardedModel::State : std::enable_shared_from_this<State> {
   std::vector<std::shared_ptr<UnitHooks>> hooks;
   // Held: a parameter only keeps a weak reference to its accumulator.
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
-  // Two blocks: a unit and one nested in it, or the one computing and the
-  // next.
-  BufferPool pool{2};
+  // A unit's parameters and gradients, and with prefetch the next unit's
+  // parameters.
+  BufferPool pool;
   // A unit's gradients end to end on their way to the shards.
   at::Tensor gradient_scratch;
 
@@ -42,6 +43,24 @@ struct ShardedModel::State : std::enable_shared_from_this<State> {
   size_t unreduced = 0;                   // units [0, unreduced) still to reduce
   bool backward_open = false;
   bool in_forward = false; // the wrapper's forward runs
+  // The units in the order their forwards ran, in this step and the last
+  // (what prefetch follows); each unit's place in the last.
+  std::vector<size_t> forward_order;
+  std::vector<size_t> last_forward_order;
+  std::vector<std::optional<size_t>> place_in_last;
+
+  /// With FsdpOptions::prefetch, starts gathering the unit `step` places
+  /// from `unit` in the last step's forward order.
+  void prefetch_from(size_t unit, int step) {
+    if (!options.prefetch() || unit >= place_in_last.size() || !place_in_last[unit]) {
+      return;
+    }
+    auto target = static_cast<int64_t>(*place_in_last[unit]) + step;
+    if (target >= 0 && target < static_cast<int64_t>(last_forward_order.size())) {
+      size_t next = last_forward_order[static_cast<size_t>(target)];
+      timed("prefetch", next, [&] { units[next]->prefetch(world, pool); });
+    }
+  }
 
   void shard(torch::nn::Module& module);
   std::shared_ptr<torch::autograd::Node> hook_accumulator(const at::Tensor& param, size_t unit,

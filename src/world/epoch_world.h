@@ -76,6 +76,11 @@ struct WorldAccess {
   /// sizes were checked.
   static void all_gather_into(const World& world, const at::Tensor& output,
                               const at::Tensor& input, const std::string& description);
+  /// all_gather_into that runs while the caller goes on (a prefetch);
+  /// `output` and `input` must live until it is waited for.
+  static PendingCollective all_gather_into_async(const World& world, const at::Tensor& output,
+                                                 const at::Tensor& input,
+                                                 const std::string& description);
   static void reduce_scatter(const World& world, const at::Tensor& output,
                              const at::Tensor& input, ReduceOp op,
                              const std::string& description);

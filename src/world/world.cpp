@@ -405,6 +405,25 @@ void WorldAccess::all_gather_into(const World& world, const at::Tensor& output,
   });
 }
 
+PendingCollective WorldAccess::all_gather_into_async(const World& world,
+                                                     const at::Tensor& output,
+                                                     const at::Tensor& input,
+                                                     const std::string& description) {
+  auto& impl = *world.impl_;
+  std::vector<at::Tensor> outputs;
+  for (int rank = 0; rank < world.size(); ++rank) {
+    outputs.push_back(output.narrow(0, rank * input.numel(), input.numel()));
+  }
+  auto state = std::make_shared<PendingCollective::State>();
+  state->world = world.impl_;
+  state->what = description;
+  state->tensor = output;
+  std::lock_guard<std::mutex> lock(impl.issue_mutex);
+  state->seq = impl.begin(description);
+  state->work = impl.transport_for(input).all_gather(outputs, input);
+  return PendingCollective(std::move(state));
+}
+
 void WorldAccess::reduce_scatter(const World& world, const at::Tensor& output,
                                  const at::Tensor& input, ReduceOp op,
                                  const std::string& description) {
