@@ -27,11 +27,8 @@ torch::optim::AdamOptions adam() {
   return torch::optim::AdamOptions(1e-2);
 }
 
-TinyTransformer float64_model(uint64_t seed) {
-  torch::manual_seed(seed);
-  TinyTransformer model(false);
-  model->to(torch::kDouble);
-  return model;
+TinyTransformer float64_transformer(uint64_t seed) {
+  return float64_model<TinyTransformer>(seed, false);
 }
 
 // Steps [first, last) of `model` trained on the whole batch in one process.
@@ -58,21 +55,11 @@ void train_sharded(FullyShardedDataParallel<TinyTransformer>& fsdp,
   }
 }
 
-void expect_close(const torch::OrderedDict<std::string, torch::Tensor>& actual,
-                  TinyTransformer& reference, const std::string& what) {
-  for (const auto& item : reference->named_parameters()) {
-    ASSERT_TRUE(actual.contains(item.key())) << what << ": " << item.key();
-    EXPECT_TRUE(torch::allclose(actual[item.key()], item.value(), 0, kFloat64Tolerance))
-        << what << ": " << item.key() << " differs by "
-        << (actual[item.key()] - item.value()).abs().max().item<double>();
-  }
-}
-
 TEST(FsdpCheckpoint, ConsolidatedAtFourRanksResumesAtTwoAndInAPlainProgram) {
   ScratchFolder folder("fsdp-checkpoint");
   auto write = launch_ranks(with_shared_folder(4, folder.path()), [](int rank) {
     World world = init();
-    auto model = float64_model(0);
+    auto model = float64_transformer(0);
     FullyShardedDataParallel<TinyTransformer> fsdp(model, world);
     torch::optim::Adam optimizer(fsdp.parameters(), adam());
     train_sharded(fsdp, optimizer, 0, 3, rank, 4);
@@ -84,18 +71,18 @@ TEST(FsdpCheckpoint, ConsolidatedAtFourRanksResumesAtTwoAndInAPlainProgram) {
   ASSERT_TRUE(write.ok()) << write.report();
   auto read = launch_ranks(with_shared_folder(2, folder.path()), [](int rank) {
     World world = init();
-    auto reference = float64_model(0);
+    auto reference = float64_transformer(0);
     torch::optim::Adam reference_optimizer(reference->parameters(), adam());
     train_alone(reference, reference_optimizer, 0, 3);
 
     // A plain model and optimizer, as a program without FSDP has them.
-    auto plain = float64_model(21);
+    auto plain = float64_transformer(21);
     torch::optim::Adam plain_optimizer(plain->parameters(), adam());
     load_checkpoint(world, shared_folder() + "/fsdp", *plain, plain_optimizer);
-    expect_close(plain->named_parameters(), reference, "a plain model loaded");
+    expect_close_parameters(plain->named_parameters(), *reference, "a plain model loaded");
 
     // FSDP at 2 ranks, from another initialisation.
-    auto model = float64_model(11);
+    auto model = float64_transformer(11);
     FullyShardedDataParallel<TinyTransformer> fsdp(model, world);
     torch::optim::Adam optimizer(fsdp.parameters(), adam());
     {
@@ -104,14 +91,14 @@ TEST(FsdpCheckpoint, ConsolidatedAtFourRanksResumesAtTwoAndInAPlainProgram) {
       load_checkpoint(world, shared_folder() + "/fsdp", *model, full);
       fsdp.load_optimizer_state(optimizer, full);
     }
-    expect_close(fsdp.full_parameters(), reference, "FSDP at 2 ranks loaded");
+    expect_close_parameters(fsdp.full_parameters(), *reference, "FSDP at 2 ranks loaded");
 
     // All three train on: the optimizers' states came through too.
     train_alone(reference, reference_optimizer, 3, 5);
     train_alone(plain, plain_optimizer, 3, 5);
     train_sharded(fsdp, optimizer, 3, 5, rank, 2);
-    expect_close(plain->named_parameters(), reference, "the plain model, trained on");
-    expect_close(fsdp.full_parameters(), reference, "FSDP at 2 ranks, trained on");
+    expect_close_parameters(plain->named_parameters(), *reference, "the plain model, trained on");
+    expect_close_parameters(fsdp.full_parameters(), *reference, "FSDP at 2 ranks, trained on");
   });
   EXPECT_TRUE(read.ok()) << read.report();
 }

@@ -64,12 +64,8 @@ TEST_P(Fsdp, ShardsTrainAsOneProcessOnTheWholeBatch) {
   auto [setup, c] = GetParam();
   run_ranks(setup, [&, setup = setup, c = c](int rank) {
     World world = init();
-    torch::manual_seed(0);
-    TinyTransformer reference(c.nested);
-    reference->to(torch::kDouble);
-    torch::manual_seed(0);
-    TinyTransformer model(c.nested);
-    model->to(torch::kDouble);
+    auto reference = float64_model<TinyTransformer>(0, c.nested);
+    auto model = float64_model<TinyTransformer>(0, c.nested);
     FullyShardedDataParallel<TinyTransformer> fsdp(
         model, world,
         FsdpOptions().reshard_after_forward(c.reshard_after_forward).prefetch(c.prefetch));
@@ -109,14 +105,7 @@ TEST_P(Fsdp, ShardsTrainAsOneProcessOnTheWholeBatch) {
       reference_optimizer->step();
       optimizer->step();
       auto full = fsdp.full_parameters();
-      auto expected = reference->named_parameters();
-      ASSERT_EQ(full.size(), expected.size());
-      for (const auto& item : expected) {
-        ASSERT_TRUE(full.contains(item.key())) << item.key();
-        EXPECT_TRUE(torch::allclose(full[item.key()], item.value(), 0, kFloat64Tolerance))
-            << item.key() << " at step " << step << ": largest difference "
-            << (full[item.key()] - item.value()).abs().max().item<double>();
-      }
+      expect_close_parameters(full, *reference, "step " + std::to_string(step));
       expect_same_on_every_rank(world, flatten(full.values()), "the full parameters");
     }
   });
@@ -181,12 +170,8 @@ TEST_P(FsdpBatchNorm, ACnnWithSyncBatchNormTrainsAsOneProcess) {
   auto setup = GetParam();
   run_ranks(setup, [setup](int rank) {
     World world = init();
-    torch::manual_seed(3);
-    SmallCnn reference;
-    reference->to(torch::kDouble);
-    torch::manual_seed(3);
-    SmallCnn model;
-    model->to(torch::kDouble);
+    auto reference = float64_model<SmallCnn>(3);
+    auto model = float64_model<SmallCnn>(3);
     FullyShardedDataParallel<SmallCnn> fsdp(model, world);
     torch::optim::SGD reference_optimizer(reference->parameters(),
                                           torch::optim::SGDOptions(0.1).momentum(0.9));
@@ -203,11 +188,8 @@ TEST_P(FsdpBatchNorm, ACnnWithSyncBatchNormTrainsAsOneProcess) {
       torch::mse_loss(fsdp(x.narrow(0, rank * share, share)), y.narrow(0, rank * share, share))
           .backward();
       optimizer.step();
-      auto full = fsdp.full_parameters();
-      for (const auto& item : reference->named_parameters()) {
-        EXPECT_TRUE(torch::allclose(full[item.key()], item.value(), 0, kFloat64Tolerance))
-            << item.key() << " at step " << step;
-      }
+      expect_close_parameters(fsdp.full_parameters(), *reference,
+                              "step " + std::to_string(step));
       auto buffers = model->named_buffers();
       for (const auto& item : reference->named_buffers()) {
         EXPECT_TRUE(torch::allclose(buffers[item.key()], item.value(), 0, kFloat64Tolerance))
@@ -286,12 +268,8 @@ TORCH_MODULE(WithPositions);
 TEST(FsdpLife, AViewOfAUnitsParametersAndAForwardBetweenBackwardAndStep) {
   run_ranks(2, [](int rank) {
     World world = init();
-    torch::manual_seed(4);
-    WithPositions reference;
-    reference->to(torch::kDouble);
-    torch::manual_seed(4);
-    WithPositions model;
-    model->to(torch::kDouble);
+    auto reference = float64_model<WithPositions>(4);
+    auto model = float64_model<WithPositions>(4);
     FullyShardedDataParallel<WithPositions> fsdp(model, world);
     torch::optim::Adam reference_optimizer(reference->parameters(), torch::optim::AdamOptions(1e-2));
     torch::optim::Adam optimizer(fsdp.parameters(), torch::optim::AdamOptions(1e-2));
@@ -304,11 +282,8 @@ TEST(FsdpLife, AViewOfAUnitsParametersAndAForwardBetweenBackwardAndStep) {
       loss_of(fsdp(tokens.narrow(0, rank * 6, 6)), targets.narrow(0, rank * 6, 6)).backward();
       fsdp(tokens.narrow(0, rank * 6, 6)); // with autograd, never backward
       optimizer.step();
-      auto full = fsdp.full_parameters();
-      for (const auto& item : reference->named_parameters()) {
-        EXPECT_TRUE(torch::allclose(full[item.key()], item.value(), 0, kFloat64Tolerance))
-            << item.key() << " at step " << step;
-      }
+      expect_close_parameters(fsdp.full_parameters(), *reference,
+                              "step " + std::to_string(step));
     }
   });
 }
@@ -321,12 +296,8 @@ TEST(FsdpLife, AViewOfAUnitsParametersAndAForwardBetweenBackwardAndStep) {
 TEST(FsdpReduceDtype, Bfloat16GradientsAverageAsTheDtypeRoundsThem) {
   run_ranks(2, [](int rank) {
     World world = init();
-    torch::manual_seed(0);
-    TinyTransformer reference(false);
-    reference->to(torch::kDouble);
-    torch::manual_seed(0);
-    TinyTransformer model(false);
-    model->to(torch::kDouble);
+    auto reference = float64_model<TinyTransformer>(0, false);
+    auto model = float64_model<TinyTransformer>(0, false);
     FullyShardedDataParallel<TinyTransformer> fsdp(
         model, world, FsdpOptions().reduce_dtype(torch::kBFloat16));
     torch::optim::SGD reference_optimizer(reference->parameters(), 0.1);

@@ -14,6 +14,8 @@
 
 #include <lockstep/fsdp.h>
 
+#include "support/training.h"
+
 namespace lockstep::testing::tiny {
 
 constexpr int64_t kVocabulary = 11;
@@ -97,6 +99,30 @@ inline std::pair<torch::Tensor, torch::Tensor> token_batch(int64_t step) {
   auto tokens = at::randint(kVocabulary, {kSamples, kTokens}, generator);
   auto targets = at::randint(kVocabulary, {kSamples, kTokens}, generator);
   return {tokens, targets};
+}
+
+/// A `Model` made under `seed`, in float64: a test's reference and its
+/// sharded model start from the same values.
+template <typename Model, typename... Args>
+Model float64_model(uint64_t seed, Args&&... args) {
+  torch::manual_seed(seed);
+  Model model(std::forward<Args>(args)...);
+  model->to(torch::kDouble);
+  return model;
+}
+
+/// Expects `actual` (FullyShardedDataParallel::full_parameters) to hold
+/// every parameter of `reference`, each within float64 rounding of it.
+inline void expect_close_parameters(const torch::OrderedDict<std::string, torch::Tensor>& actual,
+                                    torch::nn::Module& reference, const std::string& what) {
+  auto expected = reference.named_parameters();
+  ASSERT_EQ(actual.size(), expected.size()) << what;
+  for (const auto& item : expected) {
+    ASSERT_TRUE(actual.contains(item.key())) << what << ": " << item.key();
+    EXPECT_TRUE(torch::allclose(actual[item.key()], item.value(), 0, kFloat64Tolerance))
+        << what << ": " << item.key() << " differs by "
+        << (actual[item.key()] - item.value()).abs().max().item<double>();
+  }
 }
 
 inline torch::Tensor loss_of(const torch::Tensor& logits, const torch::Tensor& targets) {
