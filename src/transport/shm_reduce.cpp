@@ -112,4 +112,10 @@ std::string behind(const ShmContext& context, const std::function<bool(int)>& is
   return "rank(s) " + rank_list(ranks);
 }
 
+std::string waiting_to_reuse_staging(const ShmContext& context, uint64_t g) {
+  const auto& staging = *context.staging;
+  return behind(context, [&](int p) { return g > 2 && staging.consumed(p).get() < g - 2; }) +
+      str(" to finish with round ", g - 2, " of the shared-memory staging buffers");
+}
+
 } // namespace lockstep::detail

@@ -5,6 +5,7 @@
 // every rank that reduces the same inputs gets the same bits; Gloo's
 // 16-bit sums use it as well), and which slice of a tensor each rank owns.
 
+#include <algorithm>
 #include <functional>
 #include <string>
 #include <utility>
@@ -37,5 +38,29 @@ std::pair<int64_t, int64_t> slice_of(int64_t elements, int ranks, int index);
 
 /// "rank(s) 1, 3": the ranks of `context` for which `is_behind` holds.
 std::string behind(const ShmContext& context, const std::function<bool(int)>& is_behind);
+
+/// The rounds of a staged operation: takes the open round and the one after
+/// it further (`advance_round(i)`, true when round i moved) as long as any
+/// moves, `open` passing the rounds whose stage is `done`. True once all
+/// `rounds` are done.
+template <typename AdvanceRound>
+bool advance_rounds(uint64_t& open, uint64_t rounds, const std::vector<int>& stage, int done,
+                    AdvanceRound&& advance_round) {
+  for (bool moved = true; moved;) {
+    moved = false;
+    for (uint64_t i = open; i < std::min(open + 2, rounds); ++i) {
+      moved |= advance_round(i);
+    }
+    while (open < rounds && stage[open] == done) {
+      ++open;
+      moved = true;
+    }
+  }
+  return open == rounds;
+}
+
+/// Why round `g` cannot begin: the ranks still reading round g - 2's
+/// staging buffers, which it would reuse.
+std::string waiting_to_reuse_staging(const ShmContext& context, uint64_t g);
 
 } // namespace lockstep::detail

@@ -43,17 +43,8 @@ class StagedOp : public ShmOp {
   }
 
   bool advance(ShmContext& context) override {
-    for (bool moved = true; moved;) {
-      moved = false;
-      for (uint64_t i = open_; i < std::min(open_ + 2, rounds_); ++i) {
-        moved |= advance_round(context, i);
-      }
-      while (open_ < rounds_ && stage_[open_] == kDone) {
-        ++open_;
-        moved = true;
-      }
-    }
-    return open_ == rounds_;
+    return advance_rounds(open_, rounds_, stage_, kDone,
+                          [&](uint64_t i) { return advance_round(context, i); });
   }
 
   std::string waiting_for(const ShmContext& context) const override {
@@ -64,8 +55,7 @@ class StagedOp : public ShmOp {
     const auto& staging = *context.staging;
     switch (stage_[open_]) {
       case 0:
-        return behind(context, [&](int p) { return g > 2 && staging.consumed(p).get() < g - 2; }) +
-            str(" to finish with round ", g - 2, " of the shared-memory staging buffers");
+        return waiting_to_reuse_staging(context, g);
       case 1:
         return behind(context, [&](int p) { return staging.arrived(p).get() < g; }) +
             str(" to copy in their part of round ", g, " (shared memory)");
