@@ -150,17 +150,22 @@ struct Handshake {
     return key + "/verdict";
   }
 
-  // Raises CollectiveError naming a rank of the group whose process is
-  // gone: it will never take part.
+  // Raises CollectiveError naming every rank of the group whose process is
+  // gone: they will never take part. Every one, not the first: a peer that
+  // met the dead rank first may already have reported it and exited, and
+  // naming that peer alone would hide the rank that caused it.
   void check_peers() const {
+    std::string gone;
     for (size_t i = 0; i < group.ranks.size(); ++i) {
       if (static_cast<int>(i) != group.index && group.gone && group.gone(i)) {
-        LOCKSTEP_FAIL(CollectiveError, "rank ", group.ranks[static_cast<size_t>(group.index)],
-                      ": rank ", group.ranks[i], " (pid ", group.pids[i], ") exited without "
-                      "closing its world while the ranks of this host set up shared memory; "
-                      "its own output says why.");
+        gone += str(gone.empty() ? "" : ", ", "rank ", group.ranks[i], " (pid ", group.pids[i],
+                    ")");
       }
     }
+    LOCKSTEP_ENFORCE(gone.empty(), CollectiveError, "rank ",
+                     group.ranks[static_cast<size_t>(group.index)], ": ", gone,
+                     " exited while the ranks of this host set up shared memory; their own "
+                     "output says why.");
   }
 
   bool await(const std::string& name) const {
