@@ -1,9 +1,11 @@
-// A FullyShardedDataParallel checkpoint of 4 ranks: the module's
-// parameters in full and Adam's state consolidated, in one file of
-// save_checkpoint. A plain model and a plain Adam on one process load it
-// and hold what one process trained on the whole batch holds; FSDP at 2
-// ranks loads it and trains on as that process does, within float64
-// rounding.
+// FullyShardedDataParallel checkpoints of 4 ranks, both kinds. Consolidated:
+// the module's parameters in full and Adam's state, in one file of
+// save_checkpoint; a plain model and a plain Adam on one process load it
+// and hold what one process trained on the whole batch holds, and FSDP at
+// 2 ranks loads it and trains on as that process does. Sharded: each rank
+// its own file; FSDP at 3 ranks (whose pieces straddle the saved ones) and
+// at 2 loads it and trains on as that process does. Within float64
+// rounding throughout.
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -12,9 +14,14 @@
 #include <lockstep/fsdp.h>
 #include <lockstep/world.h>
 
+#include <algorithm>
+#include <filesystem>
+
+#include "support/expect_error.h"
 #include "support/multiprocess.h"
 #include "support/scratch_folder.h"
 #include "support/shared_folder.h"
+#include "support/small_cnn.h"
 #include "support/tiny_transformer.h"
 #include "support/training.h"
 
@@ -99,6 +106,149 @@ TEST(FsdpCheckpoint, ConsolidatedAtFourRanksResumesAtTwoAndInAPlainProgram) {
     train_sharded(fsdp, optimizer, 3, 5, rank, 2);
     expect_close_parameters(plain->named_parameters(), *reference, "the plain model, trained on");
     expect_close_parameters(fsdp.full_parameters(), *reference, "FSDP at 2 ranks, trained on");
+  });
+  EXPECT_TRUE(read.ok()) << read.report();
+}
+
+// What a scheduler would do between steps 1 and 2: the learning rate that
+// a sharded checkpoint carries in its groups' options.
+constexpr double kLaterRate = 4e-3;
+
+void lower_rate(torch::optim::Optimizer& optimizer) {
+  static_cast<torch::optim::AdamOptions&>(optimizer.param_groups()[0].options()).lr(kLaterRate);
+}
+
+std::vector<std::string> files_in(const std::string& folder) {
+  std::vector<std::string> names;
+  for (const auto& entry : std::filesystem::directory_iterator(folder)) {
+    names.push_back(entry.path().filename().string());
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+TEST(FsdpCheckpoint, ShardedAtFourRanksResumesAtThreeAndAtTwo) {
+  ScratchFolder folder("fsdp-sharded");
+  auto write = launch_ranks(with_shared_folder(4, folder.path()), [](int rank) {
+    World world = init();
+    auto model = float64_transformer(0);
+    FullyShardedDataParallel<TinyTransformer> fsdp(model, world);
+    torch::optim::Adam optimizer(fsdp.parameters(), adam());
+    train_sharded(fsdp, optimizer, 0, 2, rank, 4);
+    fsdp.save_sharded(shared_folder() + "/fsdp", optimizer);
+    lower_rate(optimizer);
+    train_sharded(fsdp, optimizer, 2, 3, rank, 4);
+    // The second save replaces the first, whose files go.
+    fsdp.save_sharded(shared_folder() + "/fsdp", optimizer);
+  });
+  ASSERT_TRUE(write.ok()) << write.report();
+  if (!in_rank_process()) {
+    EXPECT_EQ(files_in(folder.path()),
+              (std::vector<std::string>{"fsdp", "fsdp.2.rank0-of-4", "fsdp.2.rank1-of-4",
+                                        "fsdp.2.rank2-of-4", "fsdp.2.rank3-of-4"}));
+  }
+  for (int ranks : {3, 2}) {
+    auto read = launch_ranks(with_shared_folder(ranks, folder.path()), [ranks](int rank) {
+      World world = init();
+      auto reference = float64_transformer(0);
+      torch::optim::Adam reference_optimizer(reference->parameters(), adam());
+      train_alone(reference, reference_optimizer, 0, 2);
+      lower_rate(reference_optimizer);
+      train_alone(reference, reference_optimizer, 2, 3);
+
+      auto model = float64_transformer(11);
+      FullyShardedDataParallel<TinyTransformer> fsdp(model, world);
+      torch::optim::Adam optimizer(fsdp.parameters(), adam());
+      fsdp.load_sharded(shared_folder() + "/fsdp", optimizer);
+      EXPECT_EQ(static_cast<torch::optim::AdamOptions&>(optimizer.param_groups()[0].options())
+                    .lr(),
+                kLaterRate);
+      expect_close_parameters(fsdp.full_parameters(), *reference, "FSDP loaded");
+      train_alone(reference, reference_optimizer, 3, 5);
+      train_sharded(fsdp, optimizer, 3, 5, rank, ranks);
+      expect_close_parameters(fsdp.full_parameters(), *reference, "FSDP, trained on");
+    });
+    EXPECT_TRUE(read.ok()) << ranks << " ranks: " << read.report();
+  }
+}
+
+TEST(FsdpCheckpoint, ShardedBuffersComeFromRankZeroAtAnotherWorldSize) {
+  // SyncBatchNorm's running statistics: the same on every rank, and what one
+  // process's BatchNorm holds.
+  ScratchFolder folder("fsdp-sharded-buffers");
+  auto train = [](torch::optim::Optimizer& optimizer,
+                  const std::function<torch::Tensor(const torch::Tensor&)>& forward, int rank,
+                  int ranks) {
+    int64_t share = kSamples / ranks;
+    for (int64_t step = 0; step < 2; ++step) {
+      auto [x, y] = global_batch(step, kSamples, {1, 8, 8});
+      optimizer.zero_grad();
+      torch::mse_loss(forward(x.to(torch::kDouble).narrow(0, rank * share, share)),
+                      y.to(torch::kDouble).narrow(0, rank * share, share))
+          .backward();
+      optimizer.step();
+    }
+  };
+  auto write = launch_ranks(with_shared_folder(2, folder.path()), [&](int rank) {
+    World world = init();
+    auto model = float64_model<SmallCnn>(3);
+    FullyShardedDataParallel<SmallCnn> fsdp(model, world);
+    torch::optim::SGD optimizer(fsdp.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    train(optimizer, [&](const torch::Tensor& x) { return fsdp(x); }, rank, 2);
+    fsdp.save_sharded(shared_folder() + "/cnn", optimizer);
+  });
+  ASSERT_TRUE(write.ok()) << write.report();
+  auto read = launch_ranks(with_shared_folder(3, folder.path()), [&](int) {
+    World world = init();
+    auto reference = float64_model<SmallCnn>(3);
+    torch::optim::SGD reference_optimizer(reference->parameters(),
+                                          torch::optim::SGDOptions(0.1).momentum(0.9));
+    train(reference_optimizer, [&](const torch::Tensor& x) { return reference(x); },
+          0, 1);
+    auto model = float64_model<SmallCnn>(5);
+    FullyShardedDataParallel<SmallCnn> fsdp(model, world);
+    torch::optim::SGD optimizer(fsdp.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    fsdp.load_sharded(shared_folder() + "/cnn", optimizer);
+    expect_close_parameters(fsdp.full_parameters(), *reference, "the CNN loaded");
+    auto buffers = model->named_buffers();
+    for (const auto& item : reference->named_buffers()) {
+      EXPECT_TRUE(torch::allclose(buffers[item.key()], item.value(), 0, kFloat64Tolerance))
+          << item.key();
+    }
+  });
+  EXPECT_TRUE(read.ok()) << read.report();
+}
+
+TEST(FsdpCheckpoint, ASharedCheckpointWithAFileMissingOrOfAnotherModelFailsOnEveryRank) {
+  ScratchFolder folder("fsdp-sharded-bad");
+  auto write = launch_ranks(with_shared_folder(2, folder.path()), [](int) {
+    World world = init();
+    auto model = float64_transformer(0);
+    FullyShardedDataParallel<TinyTransformer> fsdp(model, world);
+    torch::optim::Adam optimizer(fsdp.parameters(), adam());
+    fsdp.save_sharded(shared_folder() + "/fsdp", optimizer);
+    // Another model's: a plain save_checkpoint.
+    auto gathered = fsdp.summon_full_parameters();
+    torch::optim::Adam full(model->parameters(), adam());
+    save_checkpoint(world, shared_folder() + "/plain", *model, full);
+  });
+  ASSERT_TRUE(write.ok()) << write.report();
+  if (!in_rank_process()) {
+    std::filesystem::remove(folder.path() + "/fsdp.1.rank1-of-2");
+  }
+  auto read = launch_ranks(with_shared_folder(2, folder.path()), [](int) {
+    World world = init();
+    auto model = float64_transformer(0);
+    FullyShardedDataParallel<TinyTransformer> fsdp(model, world);
+    torch::optim::Adam optimizer(fsdp.parameters(), adam());
+    expect_error<CheckpointError>(
+        [&] { fsdp.load_sharded(shared_folder() + "/fsdp", optimizer); },
+        {"loading the sharded checkpoint", "failed on 2 rank(s)", "fsdp.1.rank1-of-2"});
+    expect_error<CheckpointError>(
+        [&] { fsdp.load_sharded(shared_folder() + "/plain", optimizer); },
+        {"is not the index of a FullyShardedDataParallel sharded checkpoint"});
+    // Nothing was left half done: the world goes on.
+    world.barrier();
   });
   EXPECT_TRUE(read.ok()) << read.report();
 }

@@ -129,6 +129,15 @@ class ShardedModel {
                             const torch::optim::Optimizer& full);
   /// The units' names, root ("") first, in the order of the module tree.
   std::vector<std::string> unit_names() const;
+  /// Collective: each rank writes its pieces, `optimizer`'s state of them
+  /// and `module`'s buffers to a file of its own, then rank 0 the index at
+  /// `path` (src/fsdp/sharded_checkpoint.cpp).
+  void save_sharded(const std::string& path, torch::nn::Module& module,
+                    const torch::optim::Optimizer& optimizer);
+  /// Collective: this rank's pieces of what save_sharded wrote, at any
+  /// world size.
+  void load_sharded(const std::string& path, torch::nn::Module& module,
+                    torch::optim::Optimizer& optimizer);
 
   struct State;
 
@@ -266,6 +275,26 @@ class FullyShardedDataParallel {
   void load_optimizer_state(torch::optim::Optimizer& sharded,
                             const torch::optim::Optimizer& full) {
     model_->load_optimizer_state(sharded, full);
+  }
+  /// Collective: a sharded checkpoint. Each rank writes its pieces of the
+  /// parameters, `optimizer`'s state of them (the optimizer over
+  /// parameters()) and the module's buffers to a file of its own beside
+  /// `path` ("PATH.G.rankR-of-N"), then rank 0 writes `path`, which names
+  /// them: no rank holds more than its shard. A crash during a save leaves
+  /// the previous checkpoint whole; its files are removed once the new one
+  /// is complete. `path` must be where every rank that loads can read.
+  void save_sharded(const std::string& path, const torch::optim::Optimizer& optimizer) {
+    model_->save_sharded(path, detail::module_of(module_), optimizer);
+  }
+  /// Collective: takes this rank's pieces of a sharded checkpoint written at
+  /// any world size, reading the files one at a time (each rank holds its
+  /// shard and one file's worth at most), with the optimizer's state and
+  /// groups' options (rank 0's) and the buffers (this rank's at the same
+  /// world size, else rank 0's). `optimizer` is over parameters(), of the
+  /// type that saved. Raises CheckpointError on every rank if any cannot
+  /// load: a missing or damaged file, or another model's.
+  void load_sharded(const std::string& path, torch::optim::Optimizer& optimizer) {
+    model_->load_sharded(path, detail::module_of(module_), optimizer);
   }
   /// The units that hold parameters: the root ("") first, then the
   /// declared ones by their names in the module tree.

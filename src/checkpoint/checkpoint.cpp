@@ -13,16 +13,16 @@
 
 #include <lockstep/zero_redundancy_optimizer.h>
 
+#include "checkpoint/agree_on_outcome.h"
 #include "checkpoint/checkpoint_contents.h"
 #include "checkpoint/checkpoint_file.h"
 #include "compat/c10d.h"
 #include "world/broadcast_bytes.h"
 
 namespace lockstep {
-namespace {
+namespace detail {
 
-// Every rank learns whether every rank succeeded, and raises together.
-void agree(World& world, const std::string& my_error, const std::string& what) {
+void agree_on_outcome(World& world, const std::string& my_error, const std::string& what) {
   auto failures = torch::tensor({my_error.empty() ? 0 : 1}, torch::kInt);
   world.all_reduce(failures);
   if (failures.item<int>() == 0) {
@@ -39,8 +39,7 @@ void agree(World& world, const std::string& my_error, const std::string& what) {
   throw CheckpointError(message.str());
 }
 
-
-} // namespace
+} // namespace detail
 
 namespace {
 
@@ -119,7 +118,7 @@ void save_checkpoint(
       error = detail::describe_exception(e);
     }
   }
-  agree(world, error, "lockstep: saving the checkpoint " + path);
+  detail::agree_on_outcome(world, error, "lockstep: saving the checkpoint " + path);
 }
 
 CheckpointExtra load_checkpoint(
@@ -140,7 +139,7 @@ CheckpointExtra load_checkpoint(
     }
   }
   if (broadcast) {
-    agree(world, error, "lockstep: reading the checkpoint " + path);
+    detail::agree_on_outcome(world, error, "lockstep: reading the checkpoint " + path);
     detail::broadcast_bytes(world, 0, bytes, "");
   }
   detail::RestoredCheckpoint restored;
@@ -154,7 +153,7 @@ CheckpointExtra load_checkpoint(
       error = detail::describe_exception(e);
     }
   }
-  agree(world, error, "lockstep: loading the checkpoint " + path);
+  detail::agree_on_outcome(world, error, "lockstep: loading the checkpoint " + path);
   if (restored.generator_state.defined()) {
     auto generator = at::detail::getDefaultCPUGenerator();
     generator.set_state(restored.generator_state);
