@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <filesystem>
 
+#include "checkpoint/checkpoint_file.h"
 #include "support/expect_error.h"
 #include "support/multiprocess.h"
 #include "support/scratch_folder.h"
@@ -215,6 +216,41 @@ TEST(FsdpCheckpoint, ShardedBuffersComeFromRankZeroAtAnotherWorldSize) {
       EXPECT_TRUE(torch::allclose(buffers[item.key()], item.value(), 0, kFloat64Tolerance))
           << item.key();
     }
+  });
+  EXPECT_TRUE(read.ok()) << read.report();
+}
+
+TEST(FsdpCheckpoint, ACrashDuringAShardedSaveLeavesTheLastOneWhole) {
+  ScratchFolder folder("fsdp-sharded-crash");
+  auto crashed = launch_ranks(with_shared_folder(2, folder.path()), [](int rank) {
+    World world = init();
+    auto model = float64_transformer(0);
+    FullyShardedDataParallel<TinyTransformer> fsdp(model, world);
+    torch::optim::Adam optimizer(fsdp.parameters(), adam());
+    train_sharded(fsdp, optimizer, 0, 1, rank, 2);
+    fsdp.save_sharded(shared_folder() + "/fsdp", optimizer);
+    train_sharded(fsdp, optimizer, 1, 2, rank, 2);
+    detail::set_checkpoint_write_observer([](size_t) {
+      std::_Exit(3); // the machines go down in the middle of their files
+    });
+    fsdp.save_sharded(shared_folder() + "/fsdp", optimizer);
+  });
+  if (!in_rank_process()) {
+    ASSERT_EQ(crashed.ranks[0].exit_code, 3) << crashed.report();
+    ASSERT_EQ(crashed.ranks[1].exit_code, 3) << crashed.report();
+  }
+  auto read = launch_ranks(with_shared_folder(2, folder.path()), [](int rank) {
+    World world = init();
+    auto reference = float64_transformer(0);
+    torch::optim::Adam reference_optimizer(reference->parameters(), adam());
+    train_alone(reference, reference_optimizer, 0, 1);
+    auto model = float64_transformer(11);
+    FullyShardedDataParallel<TinyTransformer> fsdp(model, world);
+    torch::optim::Adam optimizer(fsdp.parameters(), adam());
+    fsdp.load_sharded(shared_folder() + "/fsdp", optimizer);
+    train_alone(reference, reference_optimizer, 1, 3);
+    train_sharded(fsdp, optimizer, 1, 3, rank, 2);
+    expect_close_parameters(fsdp.full_parameters(), *reference, "resumed from the first save");
   });
   EXPECT_TRUE(read.ok()) << read.report();
 }
