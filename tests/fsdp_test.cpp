@@ -167,7 +167,17 @@ TEST_P(FsdpBatchNorm, ACnnWithSyncBatchNormTrainsAsOneProcess) {
         EXPECT_TRUE(torch::allclose(buffers[item.key()], item.value(), 0, kFloat64Tolerance))
             << item.key() << " at step " << step;
       }
+      fsdp.check_replicas(); // SyncBatchNorm's statistics agree
     }
+    // A statistic changed on one rank only is named, on every rank.
+    if (rank == 1) {
+      torch::NoGradGuard no_grad;
+      model->named_buffers()["second.norm.running_var"].add_(1);
+    }
+    expect_error<UsageError>([&] { fsdp.check_replicas(); },
+                             {"'second.norm.running_var' on rank 1 differs from rank 0's",
+                              "use SyncBatchNorm"});
+    fsdp.check_replicas(ReplicaCheck::Parameters);
   });
 }
 

@@ -138,6 +138,8 @@ class ShardedModel {
   /// world size.
   void load_sharded(const std::string& path, torch::nn::Module& module,
                     torch::optim::Optimizer& optimizer);
+  /// Collective: compares what every rank holds alike (`module`'s buffers).
+  void check_replicas(torch::nn::Module& module, ReplicaCheck what);
 
   struct State;
 
@@ -287,14 +289,27 @@ class FullyShardedDataParallel {
     model_->save_sharded(path, detail::module_of(module_), optimizer);
   }
   /// Collective: takes this rank's pieces of a sharded checkpoint written at
-  /// any world size, reading the files one at a time (each rank holds its
-  /// shard and one file's worth at most), with the optimizer's state and
-  /// groups' options (rank 0's) and the buffers (this rank's at the same
-  /// world size, else rank 0's). `optimizer` is over parameters(), of the
-  /// type that saved. Raises CheckpointError on every rank if any cannot
-  /// load: a missing or damaged file, or another model's.
+  /// any world size, reading one at a time the files that hold part of
+  /// them (a rank holds its shard and its state twice over and one file,
+  /// never the model), with the optimizer's state and groups' options
+  /// (rank 0's) and the buffers (this rank's at the same world size, else
+  /// rank 0's). `optimizer` is over parameters(), of the type that saved.
+  /// Raises CheckpointError on every rank, changing nothing, if any rank
+  /// cannot read: a missing or damaged file, or another model's.
   void load_sharded(const std::string& path, torch::optim::Optimizer& optimizer) {
     model_->load_sharded(path, detail::module_of(module_), optimizer);
+  }
+  /// Collective: checks that every rank holds what all must hold alike,
+  /// and raises lockstep::UsageError naming the first tensor that differs
+  /// and the ranks that hold other values (one small all-gather of
+  /// checksums). Each element of a parameter is held by one rank, so that
+  /// the parameters have no replicas to compare; the buffers do, and
+  /// ReplicaCheck::All compares them: a SyncBatchNorm's statistics agree
+  /// between steps, a plain BatchNorm's are each rank's own (FSDP, as
+  /// PyTorch's, does not synchronise buffers after construction).
+  /// ReplicaCheck::Parameters compares nothing.
+  void check_replicas(ReplicaCheck what = ReplicaCheck::All) {
+    model_->check_replicas(detail::module_of(module_), what);
   }
   /// The units that hold parameters: the root ("") first, then the
   /// declared ones by their names in the module tree.

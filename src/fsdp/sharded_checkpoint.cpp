@@ -1,9 +1,14 @@
 // FullyShardedDataParallel's sharded checkpoint: each rank writes its own
 // pieces (parameters and optimizer state) to a file of its own, and rank 0
-// an index that names the files; a load at any world size reads the files
-// one at a time and keeps what falls in this rank's pieces. No rank ever
-// holds more than one file's worth beside its own shard, which is the point:
-// the consolidated checkpoint needs the whole model on every rank.
+// an index that names the files and says where each parameter's pieces
+// lie; a load at any world size reads, one at a time, the files that hold
+// part of this rank's pieces, and keeps that part. No rank holds more than
+// its own shard's worth and one file, which is the point: the consolidated
+// checkpoint needs the whole model on every rank.
+//
+// A load changes nothing until every rank has read what it needs: a
+// missing, damaged or foreign file is an error on every rank and leaves the
+// model as it was.
 //
 // A save is a generation: its files carry the generation's number, and the
 // index, written last, names it. A crash in the middle of a save leaves the
@@ -12,6 +17,7 @@
 
 #include <cstdio>
 #include <map>
+#include <set>
 #include <sstream>
 
 #include <ATen/ATen.h>
@@ -34,7 +40,8 @@ namespace {
 
 constexpr const char* kFormat = "lockstep fsdp sharded 1";
 
-using Fields = std::vector<std::pair<std::string, c10::IValue>>;
+// A sanity bound on the world size an index may name.
+constexpr int64_t kMostRanks = int64_t{1} << 20;
 
 std::string shard_path(const std::string& path, int64_t generation, int64_t rank,
                        int64_t ranks) {
@@ -65,16 +72,6 @@ void write_archive(const std::string& path, int64_t ranks,
   write_checkpoint_file(path, ranks, [&](std::ostream& out) { archive.save_to(out); });
 }
 
-Fields fields_of(torch::serialize::InputArchive& archive) {
-  Fields fields;
-  for (const auto& key : archive.keys()) {
-    c10::IValue value;
-    archive.read(key, value);
-    fields.emplace_back(key, value);
-  }
-  return fields;
-}
-
 // The tensors of a piece's state that hold one value per element of the
 // piece (moments, momentum), told from the rest (step counts) by size.
 bool per_element(const c10::IValue& value, int64_t piece_numel) {
@@ -88,7 +85,7 @@ bool per_element(const c10::IValue& value, int64_t piece_numel) {
 // element (cut to the part, and laid end to end when the parts are joined).
 struct StatePart {
   int64_t length = 0;
-  Fields fields;
+  StateFields fields;
   std::vector<bool> per_element;
 };
 using StateParts = std::map<int64_t, StatePart>;
@@ -106,8 +103,8 @@ bool covers(const StateParts& parts, int64_t numel) {
 }
 
 // The state of a piece from its parts, which cover it.
-Fields joined(const StateParts& parts) {
-  Fields fields = parts.begin()->second.fields;
+StateFields joined(const StateParts& parts) {
+  StateFields fields = parts.begin()->second.fields;
   for (size_t f = 0; f < fields.size(); ++f) {
     std::vector<at::Tensor> pieces;
     for (const auto& [start, part] : parts) {
@@ -124,16 +121,24 @@ Fields joined(const StateParts& parts) {
   return fields;
 }
 
-// The index: which generation, at which world size, and each parameter's
-// name in order, to check the loading model against.
+// The index: which generation, at which world size, each parameter's name,
+// shape and dtype (to check the loading model against), and where its
+// pieces lie: its offset in its unit's flat tensor and the elements of that
+// tensor each rank held, so that a rank opens only the files it needs.
 struct Index {
   int64_t generation = 0;
   int64_t ranks = 0;
-  std::vector<std::string> names;
+  struct Parameter {
+    std::string name;
+    std::vector<int64_t> shape;
+    int64_t dtype = 0;
+    int64_t unit_offset = 0;
+    int64_t per_rank = 0;
+  };
+  std::vector<Parameter> parameters;
 };
 
-Index read_index(const std::string& path) {
-  torch::serialize::InputArchive archive;
+Index read_index(const std::string& path, torch::serialize::InputArchive& archive) {
   open_archive(path, archive);
   Index index;
   c10::IValue format;
@@ -144,9 +149,20 @@ Index read_index(const std::string& path) {
                    "file of save_checkpoint is loaded with load_checkpoint).");
   index.generation = read_int(archive, "generation");
   index.ranks = read_int(archive, "ranks");
+  LOCKSTEP_ENFORCE(index.ranks > 0 && index.ranks <= kMostRanks, CheckpointError, path,
+                   " names a world of ", index.ranks, " ranks.");
   int64_t count = read_int(archive, "parameters");
   for (int64_t k = 0; k < count; ++k) {
-    index.names.push_back(read_string(archive, str("name/", k)));
+    Index::Parameter parameter;
+    parameter.name = read_string(archive, str("name/", k));
+    at::Tensor shape;
+    archive.read(str("shape/", k), shape);
+    parameter.shape.assign(shape.data_ptr<int64_t>(), shape.data_ptr<int64_t>() + shape.numel());
+    parameter.dtype = read_int(archive, str("dtype/", k));
+    parameter.unit_offset = read_int(archive, str("unit_offset/", k));
+    parameter.per_rank = read_int(archive, str("per_rank/", k));
+    LOCKSTEP_ENFORCE(parameter.per_rank > 0, CheckpointError, path, " is damaged.");
+    index.parameters.push_back(std::move(parameter));
   }
   return index;
 }
@@ -159,21 +175,29 @@ void ShardedModel::save_sharded(const std::string& path, torch::nn::Module& modu
                    "FullyShardedDataParallel: save_sharded inside a backward; call it "
                    "between steps.");
   World& world = state_->world;
-  // Rank 0 picks the generation: one past the index's, where it reads.
-  std::string error;
+  // Rank 0 picks the generation: one past the index's, and past any files
+  // already there (of a save that failed, or beside an index it cannot
+  // read), so that no file of a checkpoint is ever written over.
   Index previous;
+  bool replaces = false;
   if (world.rank() == 0 && checkpoint_exists(path)) {
     try {
-      previous = read_index(path);
+      torch::serialize::InputArchive archive;
+      previous = read_index(path, archive);
+      replaces = true;
     } catch (const std::exception&) {
-      previous = Index{}; // not ours, or damaged: replaced below
+      previous = Index{};
     }
   }
-  auto generation = at::tensor({previous.generation + 1}, at::kLong);
+  int64_t number = previous.generation + 1;
+  while (world.rank() == 0 && checkpoint_exists(shard_path(path, number, 0, world.size()))) {
+    ++number;
+  }
+  auto generation = at::tensor({number}, at::kLong);
   world.broadcast(generation, 0, "the generation of the sharded checkpoint " + path);
-  int64_t number = generation.item<int64_t>();
+  number = generation.item<int64_t>();
 
-  std::vector<std::string> names;
+  std::string error;
   try {
     torch::serialize::OutputArchive archive;
     archive.write("format", c10::IValue(std::string(kFormat)));
@@ -181,29 +205,24 @@ void ShardedModel::save_sharded(const std::string& path, torch::nn::Module& modu
     int64_t k = 0;
     for (const auto& unit : state_->units) {
       for (const auto& member : unit->members()) {
-        names.push_back(member.name);
-        if (!member.piece.defined()) {
-          ++k;
-          continue;
+        if (member.piece.defined()) {
+          torch::serialize::OutputArchive piece;
+          piece.write("start", c10::IValue(member.piece_offset - member.offset));
+          // A copy of its own: a view would save the whole shard's storage.
+          piece.write("data", member.piece.detach().to(at::kCPU, /*non_blocking=*/false,
+                                                       /*copy=*/true));
+          if (const auto* state = find_state(optimizer, member.piece)) {
+            torch::serialize::OutputArchive fields;
+            state->serialize(fields);
+            piece.write("state", fields);
+          }
+          archive.write(str("piece/", k), piece);
         }
-        torch::serialize::OutputArchive piece;
-        piece.write("start", c10::IValue(member.piece_offset - member.offset));
-        piece.write("data", member.piece.detach().clone()); // not the whole shard
-        if (const auto* state = find_state(optimizer, member.piece)) {
-          torch::serialize::OutputArchive fields;
-          state->serialize(fields);
-          piece.write("state", fields);
-        }
-        archive.write(str("piece/", k++), piece);
+        ++k;
       }
     }
-    for (size_t g = 0; g < optimizer.param_groups().size(); ++g) {
-      torch::serialize::OutputArchive options;
-      optimizer.param_groups()[g].options().serialize(options);
-      archive.write(str("group/", g), options);
-    }
     for (const auto& buffer : module.named_buffers()) {
-      archive.write("buffer/" + buffer.key(), buffer.value(), /*is_buffer=*/true);
+      archive.write("buffer/" + buffer.key(), buffer.value().to(at::kCPU), /*is_buffer=*/true);
     }
     write_archive(shard_path(path, number, world.rank(), world.size()), world.size(), archive);
   } catch (const std::exception& e) {
@@ -218,12 +237,26 @@ void ShardedModel::save_sharded(const std::string& path, torch::nn::Module& modu
       index.write("format", c10::IValue(std::string(kFormat)));
       index.write("generation", c10::IValue(number));
       index.write("ranks", c10::IValue(static_cast<int64_t>(world.size())));
-      index.write("parameters", c10::IValue(static_cast<int64_t>(names.size())));
-      for (size_t k = 0; k < names.size(); ++k) {
-        index.write(str("name/", k), c10::IValue(names[k]));
+      int64_t k = 0;
+      for (const auto& unit : state_->units) {
+        for (const auto& member : unit->members()) {
+          index.write(str("name/", k), c10::IValue(member.name));
+          index.write(str("shape/", k), at::tensor(member.shape, at::kLong));
+          index.write(str("dtype/", k),
+                      c10::IValue(static_cast<int64_t>(member.param.scalar_type())));
+          index.write(str("unit_offset/", k), c10::IValue(member.offset));
+          index.write(str("per_rank/", k), c10::IValue(unit->per_rank()));
+          ++k;
+        }
+      }
+      index.write("parameters", c10::IValue(k));
+      for (size_t g = 0; g < optimizer.param_groups().size(); ++g) {
+        torch::serialize::OutputArchive options;
+        optimizer.param_groups()[g].options().serialize(options);
+        index.write(str("group/", g), options);
       }
       write_archive(path, world.size(), index);
-      for (int64_t r = 0; r < previous.ranks; ++r) {
+      for (int64_t r = 0; replaces && r < previous.ranks; ++r) {
         std::remove(shard_path(path, previous.generation, r, previous.ranks).c_str());
       }
     } catch (const std::exception& e) {
@@ -245,23 +278,47 @@ void ShardedModel::load_sharded(const std::string& path, torch::nn::Module& modu
       members.push_back(&member);
     }
   }
+  // What is read, kept aside until every rank has read all it needs.
+  std::vector<at::Tensor> data(members.size());
+  std::vector<int64_t> covered(members.size(), 0);
   std::vector<StateParts> parts(members.size());
+  std::map<std::string, at::Tensor> buffers;
+  torch::serialize::InputArchive index_archive;
   std::string error;
   try {
-    Index index = read_index(path);
-    LOCKSTEP_ENFORCE(index.names.size() == members.size(), CheckpointError, path, " holds ",
-                     index.names.size(), " parameters and this model has ", members.size(),
-                     ".");
+    Index index = read_index(path, index_archive);
+    LOCKSTEP_ENFORCE(index.parameters.size() == members.size(), CheckpointError, path,
+                     " holds ", index.parameters.size(), " parameters and this model has ",
+                     members.size(), ": another model.");
+    // The old ranks whose files hold part of this rank's pieces.
+    std::set<int64_t> needed;
     for (size_t k = 0; k < members.size(); ++k) {
-      LOCKSTEP_ENFORCE(index.names[k] == members[k]->name, CheckpointError, path,
-                       " holds parameter ", k, " as '", index.names[k], "' and this model "
-                       "has '", members[k]->name, "' there: another model.");
+      const auto& member = *members[k];
+      const auto& saved = index.parameters[k];
+      LOCKSTEP_ENFORCE(saved.name == member.name && saved.shape == member.shape &&
+                           saved.dtype == static_cast<int64_t>(member.param.scalar_type()),
+                       CheckpointError, path, " holds parameter ", k, " as '", saved.name,
+                       "' of shape ", c10::IntArrayRef(saved.shape), " and this model has '",
+                       member.name, "' of shape ", c10::IntArrayRef(member.shape),
+                       " there, or another dtype: another model.");
+      if (!member.piece.defined()) {
+        continue;
+      }
+      data[k] = at::empty({member.piece.numel()}, member.piece.options().device(at::kCPU));
+      int64_t first = saved.unit_offset + member.piece_offset - member.offset;
+      int64_t last = first + member.piece.numel() - 1;
+      for (int64_t r = first / saved.per_rank;
+           r <= std::min(last / saved.per_rank, index.ranks - 1); ++r) {
+        needed.insert(r);
+      }
     }
-    at::NoGradGuard no_grad;
-    // Buffers as rank 0 saved them at another world size (as DDP's are
-    // rank 0's), and each rank's own at the same.
+    // Buffers: this rank's own at the same world size, rank 0's at another
+    // (as DDP's are rank 0's).
     int64_t buffers_from = index.ranks == world.size() ? world.rank() : 0;
-    for (int64_t r = 0; r < index.ranks; ++r) {
+    if (!module.named_buffers().is_empty()) {
+      needed.insert(buffers_from);
+    }
+    for (int64_t r : needed) {
       torch::serialize::InputArchive archive;
       open_archive(shard_path(path, index.generation, r, index.ranks), archive);
       for (size_t k = 0; k < members.size(); ++k) {
@@ -271,100 +328,94 @@ void ShardedModel::load_sharded(const std::string& path, torch::nn::Module& modu
           continue;
         }
         int64_t saved_start = read_int(saved, "start");
-        at::Tensor data;
-        saved.read("data", data);
+        at::Tensor values;
+        saved.read("data", values);
         int64_t mine_start = member.piece_offset - member.offset;
         int64_t begin = std::max(saved_start, mine_start);
-        int64_t end = std::min(saved_start + data.numel(), mine_start + member.piece.numel());
+        int64_t end = std::min(saved_start + values.numel(), mine_start + member.piece.numel());
         if (begin >= end) {
           continue;
         }
-        member.piece.narrow(0, begin - mine_start, end - begin)
-            .copy_(data.narrow(0, begin - saved_start, end - begin));
+        data[k].narrow(0, begin - mine_start, end - begin)
+            .copy_(values.reshape({-1}).narrow(0, begin - saved_start, end - begin));
+        covered[k] += end - begin;
         torch::serialize::InputArchive state;
         if (!saved.try_read("state", state)) {
           continue;
         }
-        StatePart part{end - begin, fields_of(state), {}};
+        StatePart part{end - begin, fields_in(state), {}};
         for (auto& [field, value] : part.fields) {
-          part.per_element.push_back(per_element(value, data.numel()));
+          part.per_element.push_back(per_element(value, values.numel()));
           if (part.per_element.back()) {
             value = value.toTensor().reshape({-1}).narrow(0, begin - saved_start, end - begin)
-                        .clone();
+                        .to(member.piece.device(), /*non_blocking=*/false, /*copy=*/true);
           }
         }
         parts[k][begin - mine_start] = std::move(part);
       }
-      if (r == 0) {
-        for (size_t g = 0; g < optimizer.param_groups().size(); ++g) {
-          torch::serialize::InputArchive options;
-          if (archive.try_read(str("group/", g), options)) {
-            optimizer.param_groups()[g].options().serialize(options);
-          }
-        }
-      }
       if (r == buffers_from) {
-        for (auto& buffer : module.named_buffers()) {
+        for (const auto& buffer : module.named_buffers()) {
           at::Tensor saved;
-          if (archive.try_read("buffer/" + buffer.key(), saved, /*is_buffer=*/true)) {
-            buffer.value().copy_(saved);
-          }
+          LOCKSTEP_ENFORCE(archive.try_read("buffer/" + buffer.key(), saved, true),
+                           CheckpointError, path, " lacks the buffer '", buffer.key(), "'.");
+          LOCKSTEP_ENFORCE(saved.sizes() == buffer.value().sizes(), CheckpointError, path,
+                           " holds the buffer '", buffer.key(), "' in another shape.");
+          buffers[buffer.key()] = saved;
         }
       }
     }
-    // Each piece's state, put together from its parts, reaches the
-    // optimizer through torch::optim's own load, which knows the state's
-    // type: an archive in its format, this optimizer's groups, with states
-    // for the pieces that had one.
-    torch::serialize::OutputArchive states;
-    torch::serialize::OutputArchive groups;
-    int64_t key = 0;
-    bool any = false;
-    groups.write("param_groups/size", at::tensor(static_cast<int64_t>(
-                                          optimizer.param_groups().size())));
-    for (size_t g = 0; g < optimizer.param_groups().size(); ++g) {
-      const auto& params = optimizer.param_groups()[g].params();
-      torch::serialize::OutputArchive group;
-      group.write("params/size", at::tensor(static_cast<int64_t>(params.size())));
-      for (size_t i = 0; i < params.size(); ++i) {
-        std::string name = std::to_string(++key);
-        group.write(str("params/", i), c10::IValue(name));
-        for (size_t k = 0; k < members.size(); ++k) {
-          if (!members[k]->piece.defined() || !members[k]->piece.is_same(params[i]) ||
-              parts[k].empty()) {
-            continue;
-          }
-          LOCKSTEP_ENFORCE(covers(parts[k], params[i].numel()), CheckpointError, path,
-                           " lacks the optimizer state of part of ", members[k]->name, ".");
-          torch::serialize::OutputArchive state;
-          for (const auto& [field, value] : joined(parts[k])) {
-            state.write(field, value);
-          }
-          states.write(name, state);
-          any = true;
-        }
-      }
-      torch::serialize::OutputArchive options;
-      optimizer.param_groups()[g].options().serialize(options);
-      group.write("options", options);
-      groups.write(str("param_groups/", g), group);
-    }
-    if (any) {
-      torch::serialize::OutputArchive whole;
-      whole.write("pytorch_version", c10::IValue(std::string("1.5.0")));
-      whole.write("state", states);
-      whole.write("param_groups", groups);
-      std::ostringstream bytes;
-      whole.save_to(bytes);
-      std::istringstream in(bytes.str());
-      torch::serialize::InputArchive reading;
-      reading.load_from(in);
-      optimizer.load(reading);
+    for (size_t k = 0; k < members.size(); ++k) {
+      LOCKSTEP_ENFORCE(!members[k]->piece.defined() || covered[k] == members[k]->piece.numel(),
+                       CheckpointError, path, ": its files lack part of '", members[k]->name,
+                       "' (a file of another save in their place?).");
+      LOCKSTEP_ENFORCE(parts[k].empty() || covers(parts[k], members[k]->piece.numel()),
+                       CheckpointError, path, " lacks the optimizer state of part of '",
+                       members[k]->name, "'.");
     }
   } catch (const std::exception& e) {
     error = describe_exception(e);
   }
   agree_on_outcome(world, error, "lockstep: loading the sharded checkpoint " + path);
+
+  // The optimizer: the groups' options (rank 0's, from the index), then each
+  // piece's state, one at a time. A piece saved without state starts
+  // afresh.
+  try {
+    for (size_t g = 0; g < optimizer.param_groups().size(); ++g) {
+      torch::serialize::InputArchive options;
+      if (index_archive.try_read(str("group/", g), options)) {
+        optimizer.param_groups()[g].options().serialize(options);
+      }
+    }
+    for (auto& group : optimizer.param_groups()) {
+      for (const auto& param : group.params()) {
+        for (size_t k = 0; k < members.size(); ++k) {
+          if (!members[k]->piece.defined() || !members[k]->piece.is_same(param)) {
+            continue;
+          }
+          take_state(optimizer, param);
+          if (!parts[k].empty()) {
+            put_state_fields(optimizer, param, joined(parts[k]));
+          }
+          parts[k].clear();
+        }
+      }
+    }
+  } catch (const std::exception& e) {
+    error = describe_exception(e);
+  }
+  agree_on_outcome(world, error,
+                   "lockstep: loading the optimizer state of the sharded checkpoint " + path);
+
+  at::NoGradGuard no_grad;
+  for (size_t k = 0; k < members.size(); ++k) {
+    if (members[k]->piece.defined()) {
+      members[k]->piece.copy_(data[k]);
+    }
+  }
+  for (auto& buffer : module.named_buffers()) {
+    buffer.value().copy_(buffers.at(buffer.key()));
+  }
 }
 
 } // namespace lockstep::detail

@@ -1,12 +1,13 @@
-// FullyShardedDataParallel's state as checkpoints see it: the module's
-// parameters in full while summoned, and the optimizer's state of every
+// FullyShardedDataParallel's state as checkpoints and checks see it: the
+// module's parameters in full while summoned, the optimizer's state of every
 // parameter in full, put together from the ranks' pieces, or taken apart
-// into them at any world size.
+// into them at any world size, and what the ranks hold alike.
 
 #include <algorithm>
 #include <sstream>
 
 #include <ATen/ATen.h>
+#include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
@@ -15,6 +16,7 @@
 
 #include "fsdp/sharded_model_state.h"
 #include "optim/parameter_state.h"
+#include "reducer/model_state.h"
 #include "world/broadcast_bytes.h"
 
 namespace lockstep::detail {
@@ -130,6 +132,23 @@ void ShardedModel::load_optimizer_state(torch::optim::Optimizer& sharded,
       sharded.param_groups()[g].set_options(full.param_groups()[g].options().clone());
     }
   }
+}
+
+void ShardedModel::check_replicas(torch::nn::Module& module, ReplicaCheck what) {
+  if (what == ReplicaCheck::Parameters) {
+    return; // held once each: nothing to compare, on every rank alike
+  }
+  std::vector<ReplicaEntry> buffers;
+  for (const auto& buffer : module.named_buffers()) {
+    buffers.push_back({{buffer.key(), buffer.value()}, /*buffer=*/false, false});
+  }
+  if (buffers.empty()) {
+    return;
+  }
+  check_replicas_agree(state_->world, buffers,
+                       " FullyShardedDataParallel does not synchronise buffers after "
+                       "construction: a plain BatchNorm's statistics are each rank's own "
+                       "(use SyncBatchNorm, or check_replicas(ReplicaCheck::Parameters)).");
 }
 
 } // namespace lockstep::detail

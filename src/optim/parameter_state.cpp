@@ -27,7 +27,7 @@ typename Map::key_type state_key(const Map&, const at::Tensor& tensor) {
   }
 }
 
-using Fields = std::vector<std::pair<std::string, c10::IValue>>;
+using Fields = StateFields;
 
 // What `out` holds, readable.
 void reopen(torch::serialize::OutputArchive& out, torch::serialize::InputArchive& in) {
@@ -42,13 +42,7 @@ Fields fields_of(const torch::optim::OptimizerParamState& state) {
   state.serialize(out);
   torch::serialize::InputArchive in;
   reopen(out, in);
-  Fields fields;
-  for (const auto& key : in.keys()) {
-    c10::IValue value;
-    in.read(key, value);
-    fields.emplace_back(key, value);
-  }
-  return fields;
+  return fields_in(in);
 }
 
 ParamState state_with(const torch::optim::OptimizerParamState& like, const Fields& fields) {
@@ -64,6 +58,62 @@ ParamState state_with(const torch::optim::OptimizerParamState& like, const Field
 }
 
 } // namespace
+
+StateFields fields_in(torch::serialize::InputArchive& archive) {
+  StateFields fields;
+  for (const auto& key : archive.keys()) {
+    c10::IValue value;
+    archive.read(key, value);
+    fields.emplace_back(key, value);
+  }
+  return fields;
+}
+
+void put_state_fields(torch::optim::Optimizer& optimizer, const at::Tensor& param,
+                      const StateFields& fields) {
+  // An archive in the format of torch::optim's own load (version "1.5.0",
+  // LibTorch 1.x and 2.x alike): every group with its parameters under the
+  // keys "1", "2", ... and its current options, and one state, `param`'s.
+  // Loading it makes that state, in its type.
+  torch::serialize::OutputArchive state;
+  for (const auto& [field, value] : fields) {
+    state.write(field, value);
+  }
+  torch::serialize::OutputArchive states;
+  torch::serialize::OutputArchive groups;
+  groups.write("param_groups/size",
+               at::tensor(static_cast<int64_t>(optimizer.param_groups().size())));
+  int64_t number = 0;
+  bool found = false;
+  for (size_t g = 0; g < optimizer.param_groups().size(); ++g) {
+    const auto& params = optimizer.param_groups()[g].params();
+    torch::serialize::OutputArchive group;
+    group.write("params/size", at::tensor(static_cast<int64_t>(params.size())));
+    for (size_t i = 0; i < params.size(); ++i) {
+      std::string key = std::to_string(++number);
+      group.write("params/" + std::to_string(i), c10::IValue(key));
+      if (!found && params[i].is_same(param)) {
+        states.write(key, state);
+        found = true;
+      }
+    }
+    torch::serialize::OutputArchive options;
+    optimizer.param_groups()[g].options().serialize(options);
+    group.write("options", options);
+    groups.write("param_groups/" + std::to_string(g), group);
+  }
+  TORCH_INTERNAL_ASSERT(found, "put_state_fields: the parameter is not the optimizer's");
+  torch::serialize::OutputArchive whole;
+  whole.write("pytorch_version", c10::IValue(std::string("1.5.0")));
+  whole.write("state", states);
+  whole.write("param_groups", groups);
+  std::ostringstream bytes;
+  whole.save_to(bytes);
+  const std::string written = bytes.str();
+  torch::serialize::InputArchive reading;
+  reading.load_from(written.data(), written.size());
+  optimizer.load(reading);
+}
 
 ParamState take_state(torch::optim::Optimizer& optimizer, const at::Tensor& tensor) {
   auto found = optimizer.state().find(state_key(optimizer.state(), tensor));

@@ -7,14 +7,21 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
 
 namespace torch::optim {
 class Optimizer;
 class OptimizerParamState;
 } // namespace torch::optim
+
+namespace torch::serialize {
+class InputArchive;
+} // namespace torch::serialize
 
 namespace lockstep::detail {
 
@@ -37,5 +44,16 @@ ParamState joined_state(const std::vector<ParamState>& slices, int64_t first_len
 /// whole state.
 ParamState state_slice(const torch::optim::OptimizerParamState& whole, const at::Tensor& param,
                        int64_t offset, int64_t length);
+
+/// A state's fields, by name, as its serialize() writes them: what a state
+/// is apart from its type.
+using StateFields = std::vector<std::pair<std::string, c10::IValue>>;
+/// The fields that a state's serialize() wrote into `archive`.
+StateFields fields_in(torch::serialize::InputArchive& archive);
+/// Makes `fields` `param`'s state in `optimizer`, of the optimizer's own
+/// state type (which a caller without a state at hand cannot name), leaving
+/// the other states and the options as they were.
+void put_state_fields(torch::optim::Optimizer& optimizer, const at::Tensor& param,
+                      const StateFields& fields);
 
 } // namespace lockstep::detail
