@@ -16,6 +16,13 @@
 //   fsdp_bench MODE [ITERATIONS=3] [WIDTH=1024] [DEPTH=18] [BATCH=16]
 //   MODE: ddp | zero1 | fsdp | fsdp_kept | fsdp_prefetch
 //
+// MODE checkpoint (FSDP, after ITERATIONS steps; LOCKSTEP_BENCH_DIR names
+// the folder, /tmp by default) times the two kinds of checkpoint and the
+// largest resident set over ranks while each runs, from the same start:
+//
+//   checkpoint,consolidated_save_ms,consolidated_peak_mib,sharded_save_ms,
+//       sharded_save_peak_mib,sharded_load_ms,sharded_load_peak_mib,trained_mib
+//
 // The model: DEPTH residual blocks (LayerNorm, Linear WIDTH -> 4 WIDTH,
 // GELU, Linear back), each a unit under FSDP, then a Linear head in the
 // root; 8 WIDTH^2 parameters per block. WIDTH 1024 and DEPTH 18 make 151M
@@ -26,6 +33,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <optional>
 #include <string>
 
@@ -98,6 +106,52 @@ int64_t arg(int argc, char** argv, int index, int64_t fallback) {
   return argc > index ? std::atoll(argv[index]) : fallback;
 }
 
+// Runs `body` on every rank; its slowest rank's milliseconds, and the
+// largest resident set over ranks while it ran (from a reset peak).
+std::pair<double, double> measured(World& world, const std::function<void()>& body) {
+  world.barrier();
+  reset_peak();
+  auto start = Clock::now();
+  body();
+  double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  world.barrier();
+  return {largest(world, ms), largest(world, status_mib("VmHWM"))};
+}
+
+int time_checkpoints(World& world, FullyShardedDataParallel<Stack>& fsdp, Stack& model,
+                     torch::optim::Optimizer& optimizer) {
+  const char* folder = std::getenv("LOCKSTEP_BENCH_DIR");
+  // Named by the job's port: a save of its own, generation 1.
+  const char* port = std::getenv("MASTER_PORT");
+  std::string base = std::string(folder != nullptr ? folder : "/tmp") + "/lockstep-bench-fsdp-" +
+      (port != nullptr ? port : "0");
+  double trained = largest(world, status_mib("VmRSS"));
+  auto consolidated = measured(world, [&] {
+    torch::optim::Adam full(model->parameters(), torch::optim::AdamOptions(1e-4));
+    fsdp.consolidate_optimizer_state(optimizer, full);
+    auto gathered = fsdp.summon_full_parameters();
+    save_checkpoint(world, base + ".pt", *model, full);
+  });
+  auto sharded_save = measured(world, [&] { fsdp.save_sharded(base, optimizer); });
+  auto sharded_load = measured(world, [&] { fsdp.load_sharded(base, optimizer); });
+  if (world.rank() == 0) {
+    std::printf("checkpoint,%.0f,%.0f,%.0f,%.0f,%.0f,%.0f,%.0f\n", consolidated.first,
+                consolidated.second, sharded_save.first, sharded_save.second,
+                sharded_load.first, sharded_load.second, trained);
+    std::fflush(stdout);
+  }
+  world.barrier();
+  if (world.rank() == 0) { // what the two saves wrote: gigabytes
+    std::remove((base + ".pt").c_str());
+    std::remove(base.c_str());
+    for (int r = 0; r < world.size(); ++r) {
+      std::remove((base + ".1.rank" + std::to_string(r) + "-of-" +
+                   std::to_string(world.size())).c_str());
+    }
+  }
+  return 0;
+}
+
 } // namespace
 
 int train(int argc, char** argv) {
@@ -135,7 +189,8 @@ int train(int argc, char** argv) {
           ZeroOptions().partition(ZeroPartition::Elements));
       state = (2 * parameters + 2 * parameters / ranks) * mib;
     }
-  } else if (mode == "fsdp" || mode == "fsdp_kept" || mode == "fsdp_prefetch") {
+  } else if (mode == "fsdp" || mode == "fsdp_kept" || mode == "fsdp_prefetch" ||
+             mode == "checkpoint") {
     fsdp.emplace(model, world,
                  FsdpOptions()
                      .reshard_after_forward(mode != "fsdp_kept")
@@ -166,6 +221,9 @@ int train(int argc, char** argv) {
     if (i > 0) { // the first step makes Adam's state
       times.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
     }
+  }
+  if (mode == "checkpoint") {
+    return time_checkpoints(world, *fsdp, model, *optimizer);
   }
   std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
   double step_ms = largest(world, times[times.size() / 2]);

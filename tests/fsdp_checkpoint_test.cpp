@@ -238,6 +238,10 @@ TEST(FsdpCheckpoint, ACrashDuringAShardedSaveLeavesTheLastOneWhole) {
   if (!in_rank_process()) {
     ASSERT_EQ(crashed.ranks[0].exit_code, 3) << crashed.report();
     ASSERT_EQ(crashed.ranks[1].exit_code, 3) << crashed.report();
+    auto files = files_in(folder.path());
+    EXPECT_TRUE(std::any_of(files.begin(), files.end(), [](const std::string& name) {
+      return name.find(".tmp-") != std::string::npos;
+    })) << "the crash left no temp file: nothing to clear";
   }
   auto read = launch_ranks(with_shared_folder(2, folder.path()), [](int rank) {
     World world = init();
@@ -251,8 +255,14 @@ TEST(FsdpCheckpoint, ACrashDuringAShardedSaveLeavesTheLastOneWhole) {
     train_alone(reference, reference_optimizer, 1, 3);
     train_sharded(fsdp, optimizer, 1, 3, rank, 2);
     expect_close_parameters(fsdp.full_parameters(), *reference, "resumed from the first save");
+    // The next save clears what the crash left (temp files) and the first.
+    fsdp.save_sharded(shared_folder() + "/fsdp", optimizer);
   });
   EXPECT_TRUE(read.ok()) << read.report();
+  if (!in_rank_process()) {
+    EXPECT_EQ(files_in(folder.path()),
+              (std::vector<std::string>{"fsdp", "fsdp.2.rank0-of-2", "fsdp.2.rank1-of-2"}));
+  }
 }
 
 TEST(FsdpCheckpoint, ASharedCheckpointWithAFileMissingOrOfAnotherModelFailsOnEveryRank) {

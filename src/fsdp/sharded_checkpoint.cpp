@@ -12,11 +12,12 @@
 //
 // A save is a generation: its files carry the generation's number, and the
 // index, written last, names it. A crash in the middle of a save leaves the
-// index of the previous one, whose files are untouched; the files of the
-// generation before are removed once the new index is in place.
+// index of the previous one, whose files are untouched; once the new index
+// is in place, the files of every other generation are removed.
 
-#include <cstdio>
+#include <filesystem>
 #include <map>
+#include <regex>
 #include <set>
 #include <sstream>
 
@@ -167,6 +168,30 @@ Index read_index(const std::string& path, torch::serialize::InputArchive& archiv
   return index;
 }
 
+// Once the index names generation `keep`, the files beside `path` of every
+// other save (the one it replaces, and any that failed or crashed, at any
+// world size) and the temp files of crashed writes are no checkpoint's.
+// Best effort: what cannot be removed stays, harmless.
+void remove_other_generations(const std::string& path, int64_t keep) {
+  namespace fs = std::filesystem;
+  static const std::regex kShardFile(R"((\d{1,18})\.rank\d+-of-\d+(\.tmp-\d+-\d+)?)");
+  fs::path index(path);
+  fs::path folder = index.has_parent_path() ? index.parent_path() : fs::path(".");
+  std::string prefix = index.filename().string() + ".";
+  std::error_code failed;
+  for (fs::directory_iterator it(folder, failed), end; !failed && it != end;
+       it.increment(failed)) {
+    std::string name = it->path().filename().string();
+    std::smatch match;
+    std::string rest = name.rfind(prefix, 0) == 0 ? name.substr(prefix.size()) : "";
+    if (std::regex_match(rest, match, kShardFile) &&
+        (match[2].matched || std::stoll(match[1].str()) != keep)) {
+      std::error_code ignored;
+      fs::remove(it->path(), ignored);
+    }
+  }
+}
+
 } // namespace
 
 void ShardedModel::save_sharded(const std::string& path, torch::nn::Module& module,
@@ -179,12 +204,10 @@ void ShardedModel::save_sharded(const std::string& path, torch::nn::Module& modu
   // already there (of a save that failed, or beside an index it cannot
   // read), so that no file of a checkpoint is ever written over.
   Index previous;
-  bool replaces = false;
   if (world.rank() == 0 && checkpoint_exists(path)) {
     try {
       torch::serialize::InputArchive archive;
       previous = read_index(path, archive);
-      replaces = true;
     } catch (const std::exception&) {
       previous = Index{};
     }
@@ -256,9 +279,7 @@ void ShardedModel::save_sharded(const std::string& path, torch::nn::Module& modu
         index.write(str("group/", g), options);
       }
       write_archive(path, world.size(), index);
-      for (int64_t r = 0; replaces && r < previous.ranks; ++r) {
-        std::remove(shard_path(path, previous.generation, r, previous.ranks).c_str());
-      }
+      remove_other_generations(path, number);
     } catch (const std::exception& e) {
       error = describe_exception(e);
     }
@@ -347,8 +368,10 @@ void ShardedModel::load_sharded(const std::string& path, torch::nn::Module& modu
         for (auto& [field, value] : part.fields) {
           part.per_element.push_back(per_element(value, values.numel()));
           if (part.per_element.back()) {
+            // A view where it stays on the CPU: each saved tensor has a
+            // storage of its own, which only this part keeps.
             value = value.toTensor().reshape({-1}).narrow(0, begin - saved_start, end - begin)
-                        .to(member.piece.device(), /*non_blocking=*/false, /*copy=*/true);
+                        .to(member.piece.device());
           }
         }
         parts[k][begin - mine_start] = std::move(part);
