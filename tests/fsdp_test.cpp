@@ -413,5 +413,35 @@ TEST(FsdpErrors, AUnitIsShardedByOneWrapperAtATime) {
   });
 }
 
+// Uneven inputs: rank 1 runs out of batches after one step and closes its
+// world; rank 0's next step cannot gather without it. Not a hang until the
+// timeout: an error at once, naming rank 1 and what it completed. (PyTorch's
+// FSDP is not Joinable either; docs/ddp.md says to give every rank as many
+// batches, as DistributedSampler does.)
+TEST(FsdpErrors, ARankThatStopsEarlyIsNamedAtOnceNotAfterTheTimeout) {
+  run_ranks(2, [](int rank) {
+    World world = init();
+    auto model = float64_model<TinyTransformer>(0, false);
+    FullyShardedDataParallel<TinyTransformer> fsdp(model, world);
+    torch::optim::SGD optimizer(fsdp.parameters(), torch::optim::SGDOptions(0.1));
+    int steps = rank == 0 ? 2 : 1;
+    for (int64_t step = 0; step < steps; ++step) {
+      auto [tokens, targets] = token_batch(step);
+      auto train = [&] {
+        optimizer.zero_grad();
+        loss_of(fsdp(tokens.narrow(0, rank * 6, 6)), targets.narrow(0, rank * 6, 6)).backward();
+        optimizer.step();
+      };
+      if (step == 0) {
+        train();
+        continue;
+      }
+      auto start = std::chrono::steady_clock::now();
+      expect_error<CollectiveError>(train, {"rank 1 closed its world having completed"});
+      EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+    }
+  });
+}
+
 } // namespace
 } // namespace lockstep::testing

@@ -126,8 +126,9 @@ void Ledger::check_peers(uint64_t seq, const std::string& what) {
         CollectiveError, "rank ", rank_, ": ", what, " #", seq, " cannot complete: ",
         closed_early, ", so it will never complete this one. The ranks ran different "
         "numbers of iterations or collectives, most likely because one had fewer "
-        "batches than the others: give every rank the same number of batches, or let the "
-        "ranks that run out shadow the others with a join guard (ddp.join(), docs/ddp.md).");
+        "batches than the others: give every rank the same number of batches, or, under "
+        "DistributedDataParallel, let the ranks that run out shadow the others with a join "
+        "guard (ddp.join(), docs/ddp.md).");
   }
   LOCKSTEP_FAIL(
       CollectiveError, "rank ", rank_, ": ", what, " #", seq, " cannot complete: ", gone,
