@@ -18,6 +18,7 @@
 #include <filesystem>
 
 #include "checkpoint/checkpoint_file.h"
+#include "optim/parameter_state.h"
 #include "support/expect_error.h"
 #include "support/multiprocess.h"
 #include "support/scratch_folder.h"
@@ -129,6 +130,8 @@ std::vector<std::string> files_in(const std::string& folder) {
 }
 
 TEST(FsdpCheckpoint, ShardedAtFourRanksResumesAtThreeAndAtTwo) {
+  // 4 ranks save twice; 3 ranks load (their pieces straddle the saved ones)
+  // and save at once; 2 ranks load that.
   ScratchFolder folder("fsdp-sharded");
   auto write = launch_ranks(with_shared_folder(4, folder.path()), [](int rank) {
     World world = init();
@@ -165,11 +168,30 @@ TEST(FsdpCheckpoint, ShardedAtFourRanksResumesAtThreeAndAtTwo) {
                     .lr(),
                 kLaterRate);
       expect_close_parameters(fsdp.full_parameters(), *reference, "FSDP loaded");
+      // Each moment in memory of its own piece's size, not of the larger
+      // saved piece it was cut from.
+      for (const auto& piece : fsdp.parameters()) {
+        const auto& state = static_cast<const torch::optim::AdamParamState&>(
+            *detail::find_state(optimizer, piece));
+        for (const auto& moment : {state.exp_avg(), state.exp_avg_sq()}) {
+          EXPECT_EQ(moment.storage().nbytes(), moment.numel() * moment.element_size());
+        }
+      }
+      if (ranks == 3) {
+        // Saved again at once, by 3 ranks: what the 2 ranks next load, and
+        // the 4 ranks' files go.
+        fsdp.save_sharded(shared_folder() + "/fsdp", optimizer);
+      }
       train_alone(reference, reference_optimizer, 3, 5);
       train_sharded(fsdp, optimizer, 3, 5, rank, ranks);
       expect_close_parameters(fsdp.full_parameters(), *reference, "FSDP, trained on");
     });
     EXPECT_TRUE(read.ok()) << ranks << " ranks: " << read.report();
+  }
+  if (!in_rank_process()) {
+    EXPECT_EQ(files_in(folder.path()),
+              (std::vector<std::string>{"fsdp", "fsdp.3.rank0-of-3", "fsdp.3.rank1-of-3",
+                                        "fsdp.3.rank2-of-3"}));
   }
 }
 

@@ -278,13 +278,12 @@ class FullyShardedDataParallel {
                             const torch::optim::Optimizer& full) {
     model_->load_optimizer_state(sharded, full);
   }
-  /// Collective: a sharded checkpoint. Each rank writes its pieces of the
-  /// parameters, `optimizer`'s state of them (the optimizer over
-  /// parameters()) and the module's buffers to a file of its own beside
-  /// `path` ("PATH.G.rankR-of-N"), then rank 0 writes `path`, which names
-  /// them: no rank holds more than its shard. A crash during a save leaves
-  /// the previous checkpoint whole; once the new one is complete, the files
-  /// of every other save beside it are removed. `path` must be where every rank that loads can read.
+  /// Collective: a sharded checkpoint. Each rank writes its pieces of the parameters,
+  /// `optimizer`'s state of them (the optimizer over parameters()) and the module's buffers to
+  /// a file of its own beside `path` ("PATH.G.rankR-of-N"), then rank 0 writes `path`, which
+  /// names them: no rank holds more than its shard. A crash during a save leaves the previous
+  /// checkpoint whole; once the new one is complete, the files of every other save beside it
+  /// are removed. `path` must be where every rank that loads can read.
   void save_sharded(const std::string& path, const torch::optim::Optimizer& optimizer) {
     model_->save_sharded(path, detail::module_of(module_), optimizer);
   }

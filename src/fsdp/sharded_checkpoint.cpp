@@ -168,13 +168,15 @@ Index read_index(const std::string& path, torch::serialize::InputArchive& archiv
   return index;
 }
 
-// Once the index names generation `keep`, the files beside `path` of every
-// other save (the one it replaces, and any that failed or crashed, at any
-// world size) and the temp files of crashed writes are no checkpoint's.
-// Best effort: what cannot be removed stays, harmless.
-void remove_other_generations(const std::string& path, int64_t keep) {
+// Once the index names generation `keep` of `ranks` files, the files beside
+// `path` of every other save (the one it replaces, and any that failed or
+// crashed, at any world size) and the temp files of crashed writes (the
+// index's own too) are no checkpoint's. Best effort: what cannot be
+// removed stays, harmless, and the save it follows stands.
+void remove_other_generations(const std::string& path, int64_t keep, int64_t ranks) {
   namespace fs = std::filesystem;
-  static const std::regex kShardFile(R"((\d{1,18})\.rank\d+-of-\d+(\.tmp-\d+-\d+)?)");
+  static const std::regex kShardFile(
+      R"((?:(\d{1,18})\.rank\d+-of-(\d{1,18})(\.tmp-\d+-\d+)?)|tmp-\d+-\d+)");
   fs::path index(path);
   fs::path folder = index.has_parent_path() ? index.parent_path() : fs::path(".");
   std::string prefix = index.filename().string() + ".";
@@ -184,8 +186,12 @@ void remove_other_generations(const std::string& path, int64_t keep) {
     std::string name = it->path().filename().string();
     std::smatch match;
     std::string rest = name.rfind(prefix, 0) == 0 ? name.substr(prefix.size()) : "";
-    if (std::regex_match(rest, match, kShardFile) &&
-        (match[2].matched || std::stoll(match[1].str()) != keep)) {
+    if (!std::regex_match(rest, match, kShardFile)) {
+      continue;
+    }
+    bool kept = match[1].matched && !match[3].matched &&
+        std::stoll(match[1].str()) == keep && std::stoll(match[2].str()) == ranks;
+    if (!kept) {
       std::error_code ignored;
       fs::remove(it->path(), ignored);
     }
@@ -279,7 +285,11 @@ void ShardedModel::save_sharded(const std::string& path, torch::nn::Module& modu
         index.write(str("group/", g), options);
       }
       write_archive(path, world.size(), index);
-      remove_other_generations(path, number);
+      try {
+        remove_other_generations(path, number, world.size());
+      } catch (const std::exception&) {
+        // the checkpoint is complete: files left over are only files
+      }
     } catch (const std::exception& e) {
       error = describe_exception(e);
     }
@@ -368,10 +378,13 @@ void ShardedModel::load_sharded(const std::string& path, torch::nn::Module& modu
         for (auto& [field, value] : part.fields) {
           part.per_element.push_back(per_element(value, values.numel()));
           if (part.per_element.back()) {
-            // A view where it stays on the CPU: each saved tensor has a
-            // storage of its own, which only this part keeps.
-            value = value.toTensor().reshape({-1}).narrow(0, begin - saved_start, end - begin)
-                        .to(member.piece.device());
+            // The saved tensor itself where this part is all of it (each
+            // has a storage of its own); a copy of the cut otherwise, lest
+            // the state keep (and save again) a larger shard's storage.
+            auto cut = value.toTensor().reshape({-1}).narrow(0, begin - saved_start, end - begin);
+            bool whole = end - begin == values.numel();
+            value = whole ? cut.to(member.piece.device())
+                          : cut.to(member.piece.device(), /*non_blocking=*/false, /*copy=*/true);
           }
         }
         parts[k][begin - mine_start] = std::move(part);
