@@ -206,6 +206,7 @@ void ShardedModel::save_sharded(const std::string& path, torch::nn::Module& modu
                    "FullyShardedDataParallel: save_sharded inside a backward; call it "
                    "between steps.");
   World& world = state_->world;
+  auto members = state_->members_in_order();
   // Rank 0 picks the generation: one past the index's, and past any files
   // already there (of a save that failed, or beside an index it cannot
   // read), so that no file of a checkpoint is ever written over.
@@ -231,24 +232,22 @@ void ShardedModel::save_sharded(const std::string& path, torch::nn::Module& modu
     torch::serialize::OutputArchive archive;
     archive.write("format", c10::IValue(std::string(kFormat)));
     archive.write("rank", c10::IValue(static_cast<int64_t>(world.rank())));
-    int64_t k = 0;
-    for (const auto& unit : state_->units) {
-      for (const auto& member : unit->members()) {
-        if (member.piece.defined()) {
-          torch::serialize::OutputArchive piece;
-          piece.write("start", c10::IValue(member.piece_offset - member.offset));
-          // A copy of its own: a view would save the whole shard's storage.
-          piece.write("data", member.piece.detach().to(at::kCPU, /*non_blocking=*/false,
-                                                       /*copy=*/true));
-          if (const auto* state = find_state(optimizer, member.piece)) {
-            torch::serialize::OutputArchive fields;
-            state->serialize(fields);
-            piece.write("state", fields);
-          }
-          archive.write(str("piece/", k), piece);
-        }
-        ++k;
+    for (size_t k = 0; k < members.size(); ++k) {
+      const auto& member = *members[k].member;
+      if (!member.piece.defined()) {
+        continue;
       }
+      torch::serialize::OutputArchive piece;
+      piece.write("start", c10::IValue(member.piece_offset - member.offset));
+      // A copy of its own: a view would save the whole shard's storage.
+      piece.write("data", member.piece.detach().to(at::kCPU, /*non_blocking=*/false,
+                                                   /*copy=*/true));
+      if (const auto* state = find_state(optimizer, member.piece)) {
+        torch::serialize::OutputArchive fields;
+        state->serialize(fields);
+        piece.write("state", fields);
+      }
+      archive.write(str("piece/", k), piece);
     }
     for (const auto& buffer : module.named_buffers()) {
       archive.write("buffer/" + buffer.key(), buffer.value().to(at::kCPU), /*is_buffer=*/true);
@@ -266,19 +265,16 @@ void ShardedModel::save_sharded(const std::string& path, torch::nn::Module& modu
       index.write("format", c10::IValue(std::string(kFormat)));
       index.write("generation", c10::IValue(number));
       index.write("ranks", c10::IValue(static_cast<int64_t>(world.size())));
-      int64_t k = 0;
-      for (const auto& unit : state_->units) {
-        for (const auto& member : unit->members()) {
-          index.write(str("name/", k), c10::IValue(member.name));
-          index.write(str("shape/", k), at::tensor(member.shape, at::kLong));
-          index.write(str("dtype/", k),
-                      c10::IValue(static_cast<int64_t>(member.param.scalar_type())));
-          index.write(str("unit_offset/", k), c10::IValue(member.offset));
-          index.write(str("per_rank/", k), c10::IValue(unit->per_rank()));
-          ++k;
-        }
+      for (size_t k = 0; k < members.size(); ++k) {
+        const auto& member = *members[k].member;
+        index.write(str("name/", k), c10::IValue(member.name));
+        index.write(str("shape/", k), at::tensor(member.shape, at::kLong));
+        index.write(str("dtype/", k),
+                    c10::IValue(static_cast<int64_t>(member.param.scalar_type())));
+        index.write(str("unit_offset/", k), c10::IValue(member.offset));
+        index.write(str("per_rank/", k), c10::IValue(members[k].unit->per_rank()));
       }
-      index.write("parameters", c10::IValue(k));
+      index.write("parameters", c10::IValue(static_cast<int64_t>(members.size())));
       for (size_t g = 0; g < optimizer.param_groups().size(); ++g) {
         torch::serialize::OutputArchive options;
         optimizer.param_groups()[g].options().serialize(options);
@@ -303,12 +299,7 @@ void ShardedModel::load_sharded(const std::string& path, torch::nn::Module& modu
                    "FullyShardedDataParallel: load_sharded inside a backward; call it "
                    "between steps.");
   World& world = state_->world;
-  std::vector<const FlatUnit::Member*> members;
-  for (const auto& unit : state_->units) {
-    for (const auto& member : unit->members()) {
-      members.push_back(&member);
-    }
-  }
+  auto members = state_->members_in_order();
   // What is read, kept aside until every rank has read all it needs.
   std::vector<at::Tensor> data(members.size());
   std::vector<int64_t> covered(members.size(), 0);
@@ -324,7 +315,7 @@ void ShardedModel::load_sharded(const std::string& path, torch::nn::Module& modu
     // The old ranks whose files hold part of this rank's pieces.
     std::set<int64_t> needed;
     for (size_t k = 0; k < members.size(); ++k) {
-      const auto& member = *members[k];
+      const auto& member = *members[k].member;
       const auto& saved = index.parameters[k];
       LOCKSTEP_ENFORCE(saved.name == member.name && saved.shape == member.shape &&
                            saved.dtype == static_cast<int64_t>(member.param.scalar_type()),
@@ -353,7 +344,7 @@ void ShardedModel::load_sharded(const std::string& path, torch::nn::Module& modu
       torch::serialize::InputArchive archive;
       open_archive(shard_path(path, index.generation, r, index.ranks), archive);
       for (size_t k = 0; k < members.size(); ++k) {
-        const auto& member = *members[k];
+        const auto& member = *members[k].member;
         torch::serialize::InputArchive saved;
         if (!member.piece.defined() || !archive.try_read(str("piece/", k), saved)) {
           continue;
@@ -401,12 +392,13 @@ void ShardedModel::load_sharded(const std::string& path, torch::nn::Module& modu
       }
     }
     for (size_t k = 0; k < members.size(); ++k) {
-      LOCKSTEP_ENFORCE(!members[k]->piece.defined() || covered[k] == members[k]->piece.numel(),
-                       CheckpointError, path, ": its files lack part of '", members[k]->name,
+      const auto& member = *members[k].member;
+      LOCKSTEP_ENFORCE(!member.piece.defined() || covered[k] == member.piece.numel(),
+                       CheckpointError, path, ": its files lack part of '", member.name,
                        "' (a file of another save in their place?).");
-      LOCKSTEP_ENFORCE(parts[k].empty() || covers(parts[k], members[k]->piece.numel()),
+      LOCKSTEP_ENFORCE(parts[k].empty() || covers(parts[k], member.piece.numel()),
                        CheckpointError, path, " lacks the optimizer state of part of '",
-                       members[k]->name, "'.");
+                       member.name, "'.");
     }
   } catch (const std::exception& e) {
     error = describe_exception(e);
@@ -426,7 +418,8 @@ void ShardedModel::load_sharded(const std::string& path, torch::nn::Module& modu
     for (auto& group : optimizer.param_groups()) {
       for (const auto& param : group.params()) {
         for (size_t k = 0; k < members.size(); ++k) {
-          if (!members[k]->piece.defined() || !members[k]->piece.is_same(param)) {
+          const auto& piece = members[k].member->piece;
+          if (!piece.defined() || !piece.is_same(param)) {
             continue;
           }
           take_state(optimizer, param);
@@ -445,8 +438,8 @@ void ShardedModel::load_sharded(const std::string& path, torch::nn::Module& modu
 
   at::NoGradGuard no_grad;
   for (size_t k = 0; k < members.size(); ++k) {
-    if (members[k]->piece.defined()) {
-      members[k]->piece.copy_(data[k]);
+    if (data[k].defined()) { // read for each piece this rank holds
+      members[k].member->piece.copy_(data[k]);
     }
   }
   for (auto& buffer : module.named_buffers()) {

@@ -62,6 +62,23 @@ struct ShardedModel::State : std::enable_shared_from_this<State> {
     }
   }
 
+  /// A member of a unit, with its unit.
+  struct NumberedMember {
+    const FlatUnit* unit;
+    const FlatUnit::Member* member;
+  };
+  /// Every unit's members, unit by unit: a member's place here is its
+  /// number in checkpoints, consolidated and sharded alike.
+  std::vector<NumberedMember> members_in_order() const {
+    std::vector<NumberedMember> numbered;
+    for (const auto& unit : units) {
+      for (const auto& member : unit->members()) {
+        numbered.push_back({unit.get(), &member});
+      }
+    }
+    return numbered;
+  }
+
   void shard(torch::nn::Module& module);
   std::shared_ptr<torch::autograd::Node> hook_accumulator(const at::Tensor& param, size_t unit,
                                                           size_t member);

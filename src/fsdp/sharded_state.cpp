@@ -59,17 +59,15 @@ void ShardedModel::consolidate_optimizer_state(const torch::optim::Optimizer& sh
   // Every rank's pieces' states, each under its member's number.
   torch::serialize::OutputArchive mine;
   const torch::optim::OptimizerParamState* like = nullptr;
-  size_t number = 0;
-  for (const auto& unit : state_->units) {
-    for (const auto& member : unit->members()) {
-      const auto* state = member.piece.defined() ? find_state(sharded, member.piece) : nullptr;
-      if (state != nullptr) {
-        torch::serialize::OutputArchive piece;
-        state->serialize(piece);
-        mine.write(std::to_string(number), piece);
-        like = like != nullptr ? like : state;
-      }
-      ++number;
+  auto members = state_->members_in_order();
+  for (size_t number = 0; number < members.size(); ++number) {
+    const auto& member = *members[number].member;
+    const auto* state = member.piece.defined() ? find_state(sharded, member.piece) : nullptr;
+    if (state != nullptr) {
+      torch::serialize::OutputArchive piece;
+      state->serialize(piece);
+      mine.write(std::to_string(number), piece);
+      like = like != nullptr ? like : state;
     }
   }
   auto all = gather_bytes(state_->world, bytes_of(mine));
@@ -81,35 +79,34 @@ void ShardedModel::consolidate_optimizer_state(const torch::optim::Optimizer& sh
     std::istringstream in(bytes_of_tensor(all[r]));
     archives[r].load_from(in);
   }
-  number = 0;
-  for (const auto& unit : state_->units) {
-    for (const auto& member : unit->members()) {
-      auto key = std::to_string(number++);
-      std::vector<ParamState> slices;
-      int64_t first_length = 0;
-      for (size_t r = 0; r < archives.size(); ++r) {
-        torch::serialize::InputArchive piece;
-        if (!archives[r].try_read(key, piece)) {
-          continue;
-        }
-        LOCKSTEP_ENFORCE(like != nullptr, UsageError, "FullyShardedDataParallel: rank ", to,
-                         " holds no optimizer state of its own to consolidate the others' "
-                         "into; consolidate to a rank that has stepped some parameters.");
-        auto slice = like->clone();
-        slice->serialize(piece);
-        // The ranks hold consecutive pieces of the member: the first one's
-        // length tells the state's per-element tensors from the rest.
-        if (slices.empty()) {
-          int64_t rank_first = static_cast<int64_t>(r) * unit->per_rank();
-          first_length = std::min(member.offset + member.numel, rank_first + unit->per_rank()) -
-              std::max(member.offset, rank_first);
-        }
-        slices.push_back(std::move(slice));
+  for (size_t number = 0; number < members.size(); ++number) {
+    const auto& unit = *members[number].unit;
+    const auto& member = *members[number].member;
+    auto key = std::to_string(number);
+    std::vector<ParamState> slices;
+    int64_t first_length = 0;
+    for (size_t r = 0; r < archives.size(); ++r) {
+      torch::serialize::InputArchive piece;
+      if (!archives[r].try_read(key, piece)) {
+        continue;
       }
-      if (!slices.empty()) {
-        put_state(full, member.param, joined_state(slices, first_length,
-                                                   shaped(member.shape, member.param)));
+      LOCKSTEP_ENFORCE(like != nullptr, UsageError, "FullyShardedDataParallel: rank ", to,
+                       " holds no optimizer state of its own to consolidate the others' "
+                       "into; consolidate to a rank that has stepped some parameters.");
+      auto slice = like->clone();
+      slice->serialize(piece);
+      // The ranks hold consecutive pieces of the member: the first one's
+      // length tells the state's per-element tensors from the rest.
+      if (slices.empty()) {
+        int64_t rank_first = static_cast<int64_t>(r) * unit.per_rank();
+        first_length = std::min(member.offset + member.numel, rank_first + unit.per_rank()) -
+            std::max(member.offset, rank_first);
       }
+      slices.push_back(std::move(slice));
+    }
+    if (!slices.empty()) {
+      put_state(full, member.param, joined_state(slices, first_length,
+                                                 shaped(member.shape, member.param)));
     }
   }
 }

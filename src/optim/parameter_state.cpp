@@ -107,11 +107,8 @@ void put_state_fields(torch::optim::Optimizer& optimizer, const at::Tensor& para
   whole.write("pytorch_version", c10::IValue(std::string("1.5.0")));
   whole.write("state", states);
   whole.write("param_groups", groups);
-  std::ostringstream bytes;
-  whole.save_to(bytes);
-  const std::string written = bytes.str();
   torch::serialize::InputArchive reading;
-  reading.load_from(written.data(), written.size());
+  reopen(whole, reading);
   optimizer.load(reading);
 }
 

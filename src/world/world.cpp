@@ -391,14 +391,23 @@ std::vector<at::Tensor> World::all_gather(const at::Tensor& tensor) {
 }
 
 namespace detail {
+namespace {
+
+// The slices of an all_gather_into's output that each rank's input lands in.
+std::vector<at::Tensor> slices_per_rank(const at::Tensor& output, int64_t each, int ranks) {
+  std::vector<at::Tensor> slices;
+  for (int rank = 0; rank < ranks; ++rank) {
+    slices.push_back(output.narrow(0, rank * each, each));
+  }
+  return slices;
+}
+
+} // namespace
 
 void WorldAccess::all_gather_into(const World& world, const at::Tensor& output,
                                   const at::Tensor& input, const std::string& description) {
   auto& impl = *world.impl_;
-  std::vector<at::Tensor> outputs;
-  for (int rank = 0; rank < world.size(); ++rank) {
-    outputs.push_back(output.narrow(0, rank * input.numel(), input.numel()));
-  }
+  auto outputs = slices_per_rank(output, input.numel(), world.size());
   run_collective(impl, description.empty() ? str("all_gather_into of ", describe(input))
                                            : description, [&] {
     return impl.transport_for(input).all_gather(outputs, input);
@@ -410,10 +419,7 @@ PendingCollective WorldAccess::all_gather_into_async(const World& world,
                                                      const at::Tensor& input,
                                                      const std::string& description) {
   auto& impl = *world.impl_;
-  std::vector<at::Tensor> outputs;
-  for (int rank = 0; rank < world.size(); ++rank) {
-    outputs.push_back(output.narrow(0, rank * input.numel(), input.numel()));
-  }
+  auto outputs = slices_per_rank(output, input.numel(), world.size());
   auto state = std::make_shared<PendingCollective::State>();
   state->world = world.impl_;
   state->what = description;
