@@ -1,5 +1,6 @@
-// Memory and time of one model trained four ways: DDP, DDP with a
-// ZeroRedundancyOptimizer (ZeRO-1), and FullyShardedDataParallel (ZeRO-3)
+// Memory and time of one model trained five ways: DDP, DDP with a
+// ZeroRedundancyOptimizer (ZeRO-1), the same with the gradients sharded
+// (DdpOptions::shard_gradients, ZeRO-2), and FullyShardedDataParallel (ZeRO-3)
 // with and without resharding after forward. Adam, one intra-op thread per
 // rank. Rank 0 prints one CSV line:
 //
@@ -14,7 +15,7 @@
 // and Adam's two moments that one rank holds, by the mode's own account.
 //
 //   fsdp_bench MODE [ITERATIONS=3] [WIDTH=1024] [DEPTH=18] [BATCH=16]
-//   MODE: ddp | zero1 | fsdp | fsdp_kept | fsdp_prefetch
+//   MODE: ddp | zero1 | zero2 | fsdp | fsdp_kept | fsdp_prefetch
 //
 // MODE checkpoint (FSDP, after ITERATIONS steps; LOCKSTEP_BENCH_DIR names
 // the folder, /tmp by default) times the two kinds of checkpoint and the
@@ -177,17 +178,23 @@ int train(int argc, char** argv) {
   std::optional<FullyShardedDataParallel<Stack>> fsdp;
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   double state = 0;
-  if (mode == "ddp" || mode == "zero1") {
-    ddp.emplace(model, world);
+  if (mode == "ddp" || mode == "zero1" || mode == "zero2") {
+    ddp.emplace(model, world, DdpOptions().shard_gradients(mode == "zero2"));
     if (mode == "ddp") {
       optimizer = std::make_unique<torch::optim::Adam>(model->parameters(),
                                                        torch::optim::AdamOptions(1e-4));
       state = 4 * parameters * mib;
     } else {
-      optimizer = std::make_unique<ZeroRedundancyOptimizer<torch::optim::Adam>>(
+      auto zero = std::make_unique<ZeroRedundancyOptimizer<torch::optim::Adam>>(
           model->parameters(), world, torch::optim::AdamOptions(1e-4),
           ZeroOptions().partition(ZeroPartition::Elements));
-      state = (2 * parameters + 2 * parameters / ranks) * mib;
+      if (mode == "zero2") {
+        ddp->shard_gradients_with(*zero);
+        state = (parameters + 3 * parameters / ranks) * mib;
+      } else {
+        state = (2 * parameters + 2 * parameters / ranks) * mib;
+      }
+      optimizer = std::move(zero);
     }
   } else if (mode == "fsdp" || mode == "fsdp_kept" || mode == "fsdp_prefetch" ||
              mode == "checkpoint") {

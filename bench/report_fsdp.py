@@ -27,6 +27,7 @@ def find(side, mode):
 names = {
     "ddp": "DDP",
     "zero1": "DDP + ZeRO-1 (ZeroRedundancyOptimizer, element slices)",
+    "zero2": "DDP + ZeRO-2 (shard_gradients: buckets reduce-scattered)",
     "fsdp": "FSDP (ZeRO-3), reshard after forward",
     "fsdp_kept": "FSDP, parameters kept from forward to backward",
     "fsdp_prefetch": "FSDP, reshard after forward, prefetching the next unit",

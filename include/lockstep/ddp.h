@@ -201,6 +201,17 @@ class DistributedDataParallel {
     reducer_->step_in_backward(std::move(step), options);
   }
 
+  /// Before the first forward, on every rank, with
+  /// DdpOptions().shard_gradients(true) (ZeRO-2): `optimizer`, a
+  /// ZeroRedundancyOptimizer over the module's trainable parameters in
+  /// ZeroPartition::Elements, shards them by the buckets; after each
+  /// synchronised backward its pieces' gradients hold this rank's slice of
+  /// the average, and optimizer.step() steps them and all-gathers the new
+  /// parameters. step_in_backward(optimizer) registers it as well.
+  void shard_gradients_with(torch::optim::Optimizer& optimizer) {
+    reducer_->shard_gradients_with(optimizer);
+  }
+
   /// `auto join = ddp.join();` around the training loop lets ranks hold
   /// different numbers of batches (see join.h).
   [[nodiscard]] JoinGuard join(const JoinOptions& options = {}) {

@@ -106,6 +106,14 @@ struct DdpOptions {
   /// Compute in 16 bits with float32 masters (MixedPrecision). Unset: every
   /// tensor stays in its own dtype.
   TORCH_ARG(std::optional<MixedPrecision>, mixed_precision);
+  /// ZeRO-2: each bucket is reduce-scattered, so that a rank keeps only the
+  /// averages of the elements it owns, and a ZeroRedundancyOptimizer
+  /// (ddp.shard_gradients_with) steps those and all-gathers the new
+  /// parameters. Gradient memory per rank is 1/N of the buckets, plus the
+  /// buckets in flight; .grad stays undefined. The bucket layout is then the
+  /// construction's for good (no rebuild in the order of the first
+  /// backward). See docs/ddp.md, "When the model does not fit".
+  TORCH_ARG(bool, shard_gradients) = false;
 };
 
 } // namespace lockstep

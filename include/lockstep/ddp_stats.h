@@ -29,6 +29,10 @@ struct IterationStats {
   /// Agreements before forward on which ranks still train (inside a join
   /// guard only).
   int64_t join_agreements = 0;
+  /// The most bytes of bucket buffers held at once in the last backward.
+  /// Without DdpOptions::shard_gradients the buckets are kept for good: all
+  /// of them. With it, a bucket exists only while it fills and travels.
+  int64_t bucket_bytes_held = 0;
 };
 
 struct DdpStats {

@@ -35,6 +35,7 @@
 #include <torch/arg.h>
 #include <torch/optim/optimizer.h>
 
+#include <lockstep/detail/gradient_shard_owner.h>
 #include <lockstep/world.h>
 
 namespace lockstep {
@@ -96,8 +97,10 @@ std::vector<ZeroPiece> partition_parameters(const std::vector<int64_t>& numels, 
 namespace detail {
 
 /// The part of ZeroRedundancyOptimizer that does not depend on the
-/// optimizer's type.
-class ShardedOptimizer : public torch::optim::Optimizer {
+/// optimizer's type. As a GradientShardOwner it keeps the gradient shards
+/// of DdpOptions::shard_gradients (ZeRO-2), its pieces laid over the
+/// wrapper's buckets.
+class ShardedOptimizer : public torch::optim::Optimizer, public GradientShardOwner {
  public:
   using MakeOptimizer = std::function<std::unique_ptr<torch::optim::Optimizer>(
       std::vector<torch::optim::OptimizerParamGroup>)>;
@@ -163,6 +166,29 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   /// Collective: steps this rank's part of `params`, then every rank takes
   /// each of `params` from its owner.
   void step_parameters(const std::vector<at::Tensor>& params);
+  /// DdpOptions::shard_gradients (ddp.shard_gradients_with): the pieces
+  /// become each bucket's slices, and the new parameters travel in one
+  /// all-gather per bucket instead of a broadcast per piece.
+  void shard_by_buckets(const std::vector<std::vector<at::Tensor>>& buckets,
+                        const std::vector<int64_t>& slices, int rank,
+                        int world_size) override;
+  /// The pieces in bucket `bucket` take their gradients from `slice`.
+  void take_average(size_t bucket, const at::Tensor& slice,
+                    const std::vector<char>& used) override;
+  bool holds_unstepped_averages() const override {
+    return unstepped_;
+  }
+  /// Whether the gradients are the shards of DdpOptions::shard_gradients:
+  /// then they are the local optimizer's parameters' gradients, and the
+  /// module's parameters have none.
+  bool gradients_sharded() const {
+    return by_buckets();
+  }
+  /// Under shard_gradients: lets go of the averages the last synchronised
+  /// backward left, without a step (a GradScaler that skips one does this).
+  /// Each synchronised backward must be followed by a step or by this.
+  void discard_gradients();
+
   /// Collective, from save_checkpoint: gathers on rank 0 what save() writes.
   void prepare_save();
   /// From save_checkpoint once the file is written: lets go of what
@@ -186,9 +212,18 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   std::vector<torch::optim::OptimizerParamGroup> groups_of(
       const std::vector<at::Tensor>& tensors, const std::vector<ZeroPiece>& pieces) const;
   /// An optimizer over every parameter, holding the state of `shards`
-  /// saved under `partition` among `world_size` ranks.
-  std::unique_ptr<torch::optim::Optimizer> assemble(
-      const std::vector<std::string>& shards, int world_size, ZeroPartition partition);
+  /// (one per rank), saved by ranks that owned `pieces`.
+  std::unique_ptr<torch::optim::Optimizer> assemble(const std::vector<std::string>& shards,
+                                                    const std::vector<ZeroPiece>& pieces);
+  /// Files piece `p` (its owner's, its name in errors; this rank's joins
+  /// the shard).
+  void add_piece(size_t p);
+  /// Under shard_gradients: the new values of the buckets that hold any of
+  /// `params`, each all-gathered from its slices' owners.
+  void gather_buckets(const std::vector<at::Tensor>& params);
+  bool by_buckets() const {
+    return !buckets_.empty();
+  }
   /// Makes the local optimizer hold `full`'s state of this rank's shard.
   void take_shard_from(torch::optim::Optimizer& full);
   /// The tensor that a piece steps as: its parameter when whole, else a
@@ -219,6 +254,22 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   std::unique_ptr<torch::optim::Optimizer> consolidated_;
   std::vector<std::string> gathered_; // ZeroOptions::checkpoint_shards, on rank 0
   bool in_backward_ = false;
+  // Whether the state is more than the local optimizer made (a step, a
+  // load): shard_by_buckets would lose it.
+  bool has_state_ = false;
+  bool unstepped_ = false; // averages taken (take_average), not yet stepped
+  // shard_by_buckets: each bucket's parameters (indices into all_) in its
+  // order, where each starts, the slice each rank owns, and this rank's
+  // pieces in it (indices into mine_).
+  struct BucketSlices {
+    std::vector<size_t> params;
+    std::vector<int64_t> starts;
+    int64_t slice = 0;
+    std::vector<size_t> mine;
+  };
+  std::vector<BucketSlices> buckets_;
+  std::vector<size_t> bucket_of_;  // per parameter
+  std::vector<size_t> member_of_;  // per parameter, in its bucket
 };
 
 } // namespace detail

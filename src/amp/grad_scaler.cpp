@@ -53,14 +53,19 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
                    "update().");
   LOCKSTEP_ENFORCE(state.stage != Stage::Stepped, UsageError,
                    "unscale_() is being called after step().");
+  auto* sharded = dynamic_cast<detail::ShardedOptimizer*>(&optimizer);
+  // Under DdpOptions::shard_gradients the gradients are the shard's pieces'.
+  auto& holder = sharded != nullptr && sharded->gradients_sharded()
+      ? sharded->local_optimizer()
+      : optimizer;
   std::vector<at::Tensor> parameters;
-  for (auto& group : optimizer.param_groups()) {
+  for (auto& group : holder.param_groups()) {
     parameters.insert(parameters.end(), group.params().begin(), group.params().end());
   }
   bool found = unscale_gradients(parameters);
   // A ZeroRedundancyOptimizer's ranks must skip alike, whatever gradients
   // each of them reads.
-  if (auto* sharded = dynamic_cast<detail::ShardedOptimizer*>(&optimizer)) {
+  if (sharded != nullptr) {
     auto flag = at::full({1}, found ? 1.0 : 0.0, at::kFloat);
     sharded->world().all_reduce(flag, ReduceOp::Max);
     found = flag.item<float>() > 0;
@@ -122,6 +127,10 @@ bool GradScaler::step(torch::optim::Optimizer& optimizer) {
   bool steps = !after.found_inf;
   if (steps) {
     optimizer.step();
+  } else if (auto* sharded = dynamic_cast<detail::ShardedOptimizer*>(&optimizer)) {
+    if (sharded->gradients_sharded()) {
+      sharded->discard_gradients(); // skipped: the inf goes with them
+    }
   }
   after.stage = Stage::Stepped;
   return steps;

@@ -131,6 +131,10 @@ ShardedOptimizer::ShardedOptimizer(std::vector<torch::optim::OptimizerParamGroup
 }
 
 void ShardedOptimizer::add_param_group(const torch::optim::OptimizerParamGroup& group) {
+  LOCKSTEP_ENFORCE(!by_buckets(), UsageError, "this ZeroRedundancyOptimizer is laid over "
+                   "the buckets of DdpOptions::shard_gradients, which hold the module's "
+                   "parameters only: add_param_group cannot add to them. Give it every group "
+                   "when it is built.");
   check_same_parameters(world_, param_groups(), &group);
   refuse_parameters_held(group.params(), pieces_of_);
   Optimizer::add_param_group(group);
@@ -150,23 +154,27 @@ void ShardedOptimizer::take_group(size_t g) {
   all_.insert(all_.end(), params.begin(), params.end());
   partition_group(numels_of(params), first, g, options_.partition(), owned_, pieces_);
   for (size_t p = first_piece; p < pieces_.size(); ++p) {
-    const auto& piece = pieces_[p];
-    const auto& param = all_[piece.param];
-    LOCKSTEP_ENFORCE(piece.length == param.numel() || param.is_contiguous(), UsageError,
-                     "ZeroPartition::Elements splits a parameter of shape ", param.sizes(),
-                     " that is not contiguous; make it contiguous or partition by "
-                     "parameters.");
-    pieces_of_[param.unsafeGetTensorImpl()].push_back(p);
-    piece_what_.push_back(str(
-        "parameter ", param.sizes(),
-        piece.length < param.numel()
-            ? str(" (elements ", piece.offset, " to ", piece.offset + piece.length, ")")
-            : std::string(),
-        " from rank ", piece.owner, ", its owner in the ZeroRedundancyOptimizer"));
-    if (piece.owner == world_.rank()) {
-      mine_.push_back(p);
-      shard_.push_back(piece_tensor(piece));
-    }
+    add_piece(p);
+  }
+}
+
+void ShardedOptimizer::add_piece(size_t p) {
+  const auto& piece = pieces_[p];
+  const auto& param = all_[piece.param];
+  LOCKSTEP_ENFORCE(piece.length == param.numel() || param.is_contiguous(), UsageError,
+                   "ZeroPartition::Elements splits a parameter of shape ", param.sizes(),
+                   " that is not contiguous; make it contiguous or partition by "
+                   "parameters.");
+  pieces_of_[param.unsafeGetTensorImpl()].push_back(p);
+  piece_what_.push_back(str(
+      "parameter ", param.sizes(),
+      piece.length < param.numel()
+          ? str(" (elements ", piece.offset, " to ", piece.offset + piece.length, ")")
+          : std::string(),
+      " from rank ", piece.owner, ", its owner in the ZeroRedundancyOptimizer"));
+  if (piece.owner == world_.rank()) {
+    mine_.push_back(p);
+    shard_.push_back(piece_tensor(piece));
   }
 }
 
@@ -229,6 +237,9 @@ void ShardedOptimizer::point_piece_gradients() {
                      {1});
     }
   }
+  if (by_buckets()) {
+    return; // the pieces' gradients are the buckets' slices (take_average)
+  }
   for (size_t i = 0; i < mine_.size(); ++i) {
     const auto& piece = pieces_[mine_[i]];
     const auto& param = all_parameters()[piece.param];
@@ -271,8 +282,14 @@ at::Tensor ShardedOptimizer::step(LossClosure closure) {
   }
   copy_options_to(*local_);
   point_piece_gradients();
+  has_state_ = true;
   local_->step();
-  broadcast_from_owners(all_parameters());
+  if (by_buckets()) {
+    discard_gradients(); // stepped: they were views of the reducer's slices
+    gather_buckets(all_parameters());
+  } else {
+    broadcast_from_owners(all_parameters());
+  }
   return loss;
 }
 
@@ -299,6 +316,7 @@ void ShardedOptimizer::step_parameters(const std::vector<at::Tensor>& params) {
     }
   }
   copy_options_to(*local_);
+  has_state_ = true;
   if (!mine.empty()) {
     point_piece_gradients();
     lockstep::step_parameters(*local_, mine);
@@ -306,7 +324,12 @@ void ShardedOptimizer::step_parameters(const std::vector<at::Tensor>& params) {
       piece.mutable_grad().reset(); // a view of the gradient the reducer frees
     }
   }
-  broadcast_from_owners(params);
+  if (by_buckets()) {
+    unstepped_ = false;
+    gather_buckets(params);
+  } else {
+    broadcast_from_owners(params);
+  }
 }
 
 void ShardedOptimizer::broadcast_from_owners(const std::vector<at::Tensor>& params) {
@@ -343,13 +366,9 @@ std::vector<std::string> ShardedOptimizer::gather_shards(int to) {
 }
 
 std::unique_ptr<torch::optim::Optimizer> ShardedOptimizer::assemble(
-    const std::vector<std::string>& shards, int world_size, ZeroPartition partition) {
+    const std::vector<std::string>& shards, const std::vector<ZeroPiece>& pieces) {
   const auto& all = all_parameters();
-  std::vector<std::vector<int64_t>> numels;
-  for (const auto& group : param_groups()) {
-    numels.push_back(numels_of(group.params()));
-  }
-  auto pieces = partition_parameter_groups(numels, world_size, partition);
+  int world_size = static_cast<int>(shards.size());
   // Each piece's state, as the rank that owned it saved it.
   std::vector<ParamState> states(pieces.size());
   std::unique_ptr<torch::optim::Optimizer> first_part;
@@ -404,7 +423,7 @@ void ShardedOptimizer::consolidate_state_dict(int to) {
   auto shards = gather_shards(to);
   consolidated_.reset();
   if (world_.rank() == to) {
-    consolidated_ = assemble(shards, world_.size(), options_.partition());
+    consolidated_ = assemble(shards, pieces_);
   }
 }
 
@@ -459,13 +478,19 @@ void ShardedOptimizer::load(torch::serialize::InputArchive& archive) {
     }
     c10::IValue partition;
     archive.read(kShardPartition, partition);
-    full = assemble(shards, static_cast<int>(count.toInt()),
-                    static_cast<ZeroPartition>(partition.toInt()));
+    std::vector<std::vector<int64_t>> numels;
+    for (const auto& group : param_groups()) {
+      numels.push_back(numels_of(group.params()));
+    }
+    full = assemble(shards, partition_parameter_groups(
+                                numels, static_cast<int>(count.toInt()),
+                                static_cast<ZeroPartition>(partition.toInt())));
   } else {
     full = make_(groups_of(all_parameters(), whole_pieces()));
     load_optimizer(*full, archive);
   }
   take_shard_from(*full);
+  has_state_ = true;
 }
 
 void ShardedOptimizer::take_shard_from(torch::optim::Optimizer& full) {

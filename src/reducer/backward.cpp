@@ -62,6 +62,10 @@ void Reducer::State::on_gradient(size_t index) {
 
 void Reducer::State::open_iteration(int64_t forward, bool sync) {
   bool bypassed = forward == 0;
+  LOCKSTEP_ENFORCE(!options.shard_gradients() || gradient_shards, UsageError, "rank ",
+                   world.rank(), ": a backward reached the parameters of a wrapper built "
+                   "with DdpOptions::shard_gradients before its ZeroRedundancyOptimizer was "
+                   "registered: call ddp.shard_gradients_with(optimizer) first, on every rank.");
   if (bypassed && options.bypass() == Bypass::Error) {
     LOCKSTEP_FAIL(
         UsageError, "rank ", world.rank(), ": backward reached the "
@@ -120,6 +124,25 @@ void Reducer::State::open_iteration(int64_t forward, bool sync) {
   backward.in_flight.assign(layout.buckets.size(), std::nullopt);
   backward.hooked.assign(layout.buckets.size(), nullptr);
   backward.in_flight_what.assign(layout.buckets.size(), "");
+  if (gradient_shards) {
+    auto& shards = *gradient_shards;
+    shards.flags_sent.assign(layout.buckets.size(), at::Tensor());
+    shards.flags_work.assign(layout.buckets.size(), std::nullopt);
+    shards.flags.assign(layout.buckets.size(), {});
+    shards.completed.assign(layout.buckets.size(), Clock::time_point{});
+    shards.next_harvest = 0;
+    shards.peak_bytes_held = shards.bytes_held;
+    if (shards.owner->holds_unstepped_averages()) {
+      // Every rank's program steps alike: every rank finds this, and the
+      // end of backward raises it everywhere.
+      backward.problems.push_back(str(
+          "a synchronised backward began while the averages of the last one were not "
+          "stepped: under DdpOptions::shard_gradients each synchronised backward's averages "
+          "are written over by the next one. Call optimizer.step() (or, to skip the step, "
+          "discard_gradients() on the ZeroRedundancyOptimizer) after each synchronised "
+          "backward, and accumulate micro-batches under ddp.no_sync()."));
+    }
+  }
   times.launch_ms.assign(layout.buckets.size(), 0.0);
   times.bucket_first.assign(layout.buckets.size(), Clock::time_point{});
   times.bucket_ready.assign(layout.buckets.size(), Clock::time_point{});
@@ -144,8 +167,15 @@ void Reducer::State::mark_ready(size_t index, bool used) {
   // no rank has one, .grad stays undefined as in local training.
   bool contributes = !backward.shadowing && grad.defined() && (used || used_since_sync[index]);
   at::NoGradGuard no_grad;
-  if (!grad.defined() || backward.shadowing) {
-    bucket.slot(k).zero_();
+  size_t b = layout.bucket_of[index];
+  bool brings_values = grad.defined() && !backward.shadowing;
+  if (gradient_shards && brings_values && !bucket.allocated()) {
+    allocate_sharded(b);
+  }
+  if (!brings_values) {
+    if (bucket.allocated()) { // a sharded bucket not yet made is zeros when it is
+      bucket.slot(k).zero_();
+    }
   } else if (grad.is_sparse()) {
     // A sparse gradient of a parameter in a bucket (a functional sparse
     // embedding, unknown at construction): averaged dense, the same values.
@@ -157,8 +187,21 @@ void Reducer::State::mark_ready(size_t index, bool used) {
     // its gradient must stay exactly as it was, so it leaves the bucket.
     grad = grad.clone();
   }
-  bucket.flags()[static_cast<int64_t>(k)].fill_(contributes ? 1 : 0);
-  size_t b = layout.bucket_of[index];
+  if (bucket.allocated()) {
+    bucket.flags()[static_cast<int64_t>(k)].fill_(contributes ? 1 : 0);
+  }
+  if (gradient_shards && grad.defined()) {
+    // Copied into the bucket, it goes: this rank keeps only the average of
+    // its own slice, which comes back from the reduce-scatter.
+    if (grad.requires_grad()) {
+      backward.problems.push_back(str(
+          "parameter '", names[index], "' has a gradient that requires grad "
+          "(backward(create_graph=true)): DdpOptions::shard_gradients keeps no whole "
+          "gradient to differentiate. Leave shard_gradients off for such a model."));
+    } else {
+      grad.reset();
+    }
+  }
   bool tracing = timeline::enabled();
   if (tracing && times.bucket_first[b] == Clock::time_point{}) {
     times.bucket_first[b] = Clock::now();
@@ -186,7 +229,8 @@ void Reducer::State::launch_ready_buckets(bool include_last) {
     times.bucket_launch[b] = Clock::now();
     times.launch_ms[b] = ms_between(backward.first_gradient, times.bucket_launch[b]);
     backward.in_flight_what[b] = str(
-        comm_hook ? "" : "all_reduce of ", describe_bucket(b),
+        comm_hook ? "" : gradient_shards ? "reduce_scatter of " : "all_reduce of ",
+        describe_bucket(b),
         backward.of_forward > 0 ? str(" in the backward of forward ", backward.of_forward)
                                 : std::string(" in a backward that bypassed the wrapper"));
     launch_bucket(b);
@@ -302,6 +346,15 @@ void Reducer::State::finish_backward() {
   stats.total.bytes_reduced += stats.last.bytes_reduced;
   stats.bucket_launch_ms = times.launch_ms;
   stats.backward_end_ms = ms_between(backward.first_gradient, backward_end);
+  if (gradient_shards) {
+    stats.last.bucket_bytes_held = gradient_shards->peak_bytes_held;
+  } else {
+    int64_t held = 0;
+    for (const auto& bucket : layout.buckets) {
+      held += bucket.bytes();
+    }
+    stats.last.bucket_bytes_held = held;
+  }
   if (timeline::enabled()) {
     record_timeline(wait_start, wait_end);
   }
@@ -324,8 +377,11 @@ void Reducer::State::record_timeline(Clock::time_point wait_start,
     if (times.bucket_launch[b] - times.bucket_ready[b] > std::chrono::microseconds(50)) {
       timeline::record(track, "queued", times.bucket_ready[b], times.bucket_launch[b], args);
     }
-    auto done = backward.in_flight[b] ? backward.in_flight[b]->completed_at() : wait_end;
-    timeline::record(track, comm_hook ? "hook" : "all_reduce", times.bucket_launch[b], done, args);
+    auto done = backward.in_flight[b]  ? backward.in_flight[b]->completed_at()
+                : gradient_shards     ? gradient_shards->completed[b]
+                                      : wait_end;
+    timeline::record(track, comm_hook ? "hook" : gradient_shards ? "reduce_scatter" : "all_reduce",
+                     times.bucket_launch[b], done, args);
   }
   timeline::flush();
 }
@@ -365,6 +421,10 @@ void Reducer::State::write_back(const std::vector<double>& global_flags) {
 }
 
 void Reducer::State::write_back_bucket(size_t b, const double* flags) {
+  if (gradient_shards) {
+    hand_over_average(b, flags);
+    return;
+  }
   at::NoGradGuard no_grad;
   auto& bucket = layout.buckets[b];
   if (!comm_hook) {

@@ -51,17 +51,37 @@ Bucket::Bucket(
     std::vector<size_t> members,
     const std::vector<at::Tensor>& params,
     bool with_extras,
-    const Allocate& allocate)
-    : members_(std::move(members)), with_extras_(with_extras) {
+    Allocate allocate,
+    int shards)
+    : members_(std::move(members)),
+      shards_(shards),
+      with_extras_(with_extras),
+      allocate_(std::move(allocate)) {
   for (size_t index : members_) {
     offsets_.push_back(gradient_numel_);
     shapes_.push_back(params[index].sizes().vec());
     gradient_numel_ += params[index].numel();
   }
   const auto& first = params[members_.front()];
-  int64_t total = gradient_numel_ + static_cast<int64_t>(members_.size()) +
+  options_ = first.options().requires_grad(false);
+  element_size_ = static_cast<int64_t>(first.element_size());
+  unpadded_numel_ = gradient_numel_ + static_cast<int64_t>(members_.size()) +
       (with_extras_ ? int64_t{kExtraCount} : int64_t{0});
-  buffer_ = allocate(total, first.options().requires_grad(false));
+  total_numel_ = shards_ == 0 ? unpadded_numel_
+                              : (unpadded_numel_ + shards_ - 1) / shards_ * shards_;
+  if (shards_ == 0) {
+    allocate_buffer();
+  }
+}
+
+void Bucket::allocate_buffer() {
+  // The padding is summed as it is: it must be zero.
+  buffer_ = allocate_(total_numel_, options_);
+}
+
+void Bucket::release_buffer() {
+  TORCH_INTERNAL_ASSERT(shards_ > 0, "only a sharded bucket lets go of its buffer");
+  buffer_ = at::Tensor();
 }
 
 at::Tensor Bucket::slot(size_t k) const {
@@ -76,13 +96,26 @@ at::Tensor Bucket::slot(size_t k) const {
 }
 
 bool Bucket::holds(size_t k, const at::Tensor& grad) const {
-  return grad.defined() && !grad.is_sparse() && grad.device() == buffer_.device() &&
+  return grad.defined() && buffer_.defined() && !grad.is_sparse() && grad.device() == buffer_.device() &&
       grad.data_ptr() ==
       static_cast<char*>(buffer_.data_ptr()) + offsets_[k] * buffer_.element_size();
 }
 
 at::Tensor Bucket::gradients() const {
   return buffer_.narrow(0, 0, gradient_numel_);
+}
+
+at::Tensor Bucket::flags_and_extras() const {
+  return buffer_.narrow(0, gradient_numel_, unpadded_numel_ - gradient_numel_);
+}
+
+int64_t Bucket::unpadded_numel() const {
+  return unpadded_numel_;
+}
+
+int64_t Bucket::shard_numel() const {
+  TORCH_INTERNAL_ASSERT(shards_ > 0, "the bucket is not sharded");
+  return total_numel_ / shards_;
 }
 
 at::Tensor Bucket::flags() const {
@@ -96,7 +129,7 @@ at::Tensor Bucket::extras() const {
 }
 
 int64_t Bucket::bytes() const {
-  return buffer_.numel() * static_cast<int64_t>(buffer_.element_size());
+  return total_numel_ * element_size_;
 }
 
 } // namespace lockstep::detail

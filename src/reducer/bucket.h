@@ -40,10 +40,16 @@ class Bucket {
   /// fastest.
   using Allocate = std::function<at::Tensor(int64_t numel, const at::TensorOptions& options)>;
 
+  /// `shards` 0: the buffer is made now and kept. N (DdpOptions::
+  /// shard_gradients): zeros after the extras pad it to a multiple of N, so
+  /// that a reduce-scatter leaves each of N ranks an equal slice, and the
+  /// buffer exists only from allocate_buffer() to release_buffer(): a rank
+  /// holds whole buckets only while they travel.
   Bucket(std::vector<size_t> members,
          const std::vector<at::Tensor>& params,
          bool with_extras,
-         const Allocate& allocate);
+         Allocate allocate,
+         int shards = 0);
 
   const std::vector<size_t>& members() const {
     return members_;
@@ -56,6 +62,17 @@ class Bucket {
   bool holds(size_t k, const at::Tensor& grad) const;
   /// All gradient slots together.
   at::Tensor gradients() const;
+  /// The flags and, in the last bucket, the extras: what stays exact.
+  at::Tensor flags_and_extras() const;
+  /// Elements before the padding: what an unsharded bucket holds.
+  int64_t unpadded_numel() const;
+  /// Elements of buffer() each shard holds.
+  int64_t shard_numel() const;
+  bool allocated() const {
+    return buffer_.defined();
+  }
+  void allocate_buffer();
+  void release_buffer();
   at::Tensor flags() const;
   at::Tensor extras() const;
   /// Everything that is all-reduced.
@@ -69,7 +86,13 @@ class Bucket {
   std::vector<int64_t> offsets_;
   std::vector<std::vector<int64_t>> shapes_;
   int64_t gradient_numel_ = 0;
+  int64_t unpadded_numel_ = 0;
+  int64_t total_numel_ = 0;
+  int64_t element_size_ = 0;
+  int shards_ = 0;
   bool with_extras_ = false;
+  at::TensorOptions options_;
+  Allocate allocate_;
   at::Tensor buffer_;
 };
 

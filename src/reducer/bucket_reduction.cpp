@@ -17,6 +17,10 @@
 namespace lockstep::detail {
 
 void Reducer::State::launch_bucket(size_t b) {
+  if (gradient_shards) {
+    launch_sharded(b);
+    return;
+  }
   if (comm_hook) {
     launch_through_hook(b);
     return;
@@ -69,6 +73,14 @@ std::vector<double> host_values(const std::vector<at::Tensor>& parts) {
 } // namespace
 
 std::vector<double> Reducer::State::wait_for_buckets() {
+  if (gradient_shards) {
+    std::vector<double> all;
+    for (size_t b = 0; b < layout.buckets.size(); ++b) {
+      const auto& flags = sharded_flags(b);
+      all.insert(all.end(), flags.begin(), flags.end());
+    }
+    return all;
+  }
   if (!comm_hook) {
     for (auto& work : backward.in_flight) {
       work->wait();
@@ -121,10 +133,15 @@ std::vector<double> Reducer::State::wait_writing_back_and_stepping() {
   std::vector<double> global_flags;
   for (size_t b = 0; b < layout.buckets.size(); ++b) {
     const auto& bucket = layout.buckets[b];
-    backward.in_flight[b]->wait();
     bool last = b + 1 == layout.buckets.size();
-    auto flags = host_values(last ? std::vector<at::Tensor>{bucket.flags(), bucket.extras()}
-                                  : std::vector<at::Tensor>{bucket.flags()});
+    std::vector<double> flags;
+    if (gradient_shards) {
+      flags = sharded_flags(b);
+    } else {
+      backward.in_flight[b]->wait();
+      flags = host_values(last ? std::vector<at::Tensor>{bucket.flags(), bucket.extras()}
+                               : std::vector<at::Tensor>{bucket.flags()});
+    }
     global_flags.insert(global_flags.end(), flags.begin(), flags.end());
     if (last && flags[flags.size() - kExtraCount + kProblems] > 0) {
       break; // the iteration raises: its last bucket does not step

@@ -18,7 +18,16 @@
 namespace lockstep::detail {
 
 void Reducer::step_in_backward(ParameterStep step, const StepInBackwardOptions& options) {
-  auto& state = *state_;
+  LOCKSTEP_ENFORCE(!state_->options.shard_gradients(), UsageError, "under DdpOptions::"
+                   "shard_gradients no rank holds a whole gradient to give a ParameterStep: "
+                   "call step_in_backward with the ZeroRedundancyOptimizer that keeps the "
+                   "shards.");
+  state_->set_step_in_backward(std::move(step), options);
+}
+
+void Reducer::State::set_step_in_backward(ParameterStep step,
+                                          const StepInBackwardOptions& options) {
+  auto& state = *this;
   std::lock_guard<std::mutex> lock(state.mutex);
   LOCKSTEP_ENFORCE(step != nullptr, UsageError, "step_in_backward needs an optimizer or a "
                    "ParameterStep that steps the parameters it is given.");
@@ -40,6 +49,27 @@ void Reducer::step_in_backward(ParameterStep step, const StepInBackwardOptions& 
 
 void Reducer::step_in_backward(torch::optim::Optimizer& optimizer,
                                const StepInBackwardOptions& options) {
+  if (state_->options.shard_gradients()) {
+    LOCKSTEP_ENFORCE(
+        !options.max_grad_norm() && options.grad_scaler() == nullptr, UsageError, "under "
+        "DdpOptions::shard_gradients, step_in_backward does not clip or unscale yet: each "
+        "rank holds its slice of the gradients only. Step after backward instead, with "
+        "lockstep::clip_grad_norm_ over the optimizer's shard (optimizer.local_optimizer()'s "
+        "parameters) and the world.");
+    bool registered = false;
+    {
+      std::lock_guard<std::mutex> lock(state_->mutex);
+      registered = state_->gradient_shards.has_value();
+      LOCKSTEP_ENFORCE(!registered || state_->gradient_shards->owner ==
+                                          dynamic_cast<GradientShardOwner*>(&optimizer),
+                       UsageError, "the optimizer given to step_in_backward is not the one "
+                       "that keeps the gradient shards (shard_gradients_with): under "
+                       "DdpOptions::shard_gradients it is the one that steps them.");
+    }
+    if (!registered) {
+      shard_gradients_with(optimizer);
+    }
+  }
   std::unordered_set<const c10::TensorImpl*> mine;
   for (const auto& entry : state_->all_params) {
     mine.insert(entry.tensor.unsafeGetTensorImpl());
@@ -62,11 +92,11 @@ void Reducer::step_in_backward(torch::optim::Optimizer& optimizer,
   }
   if (auto* sharded = dynamic_cast<ShardedOptimizer*>(&optimizer)) {
     sharded->steps_in_backward();
-    step_in_backward([sharded](const std::vector<at::Tensor>& params) {
+    state_->set_step_in_backward([sharded](const std::vector<at::Tensor>& params) {
       sharded->step_parameters(params);
     }, options);
   } else {
-    step_in_backward([&optimizer](const std::vector<at::Tensor>& params) {
+    state_->set_step_in_backward([&optimizer](const std::vector<at::Tensor>& params) {
       lockstep::step_parameters(optimizer, params);
     }, options);
   }

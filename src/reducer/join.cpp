@@ -94,6 +94,11 @@ void Reducer::enter_join(const JoinOptions& options) {
       "rank that ran out of batches has no forward to run (with PyTorch, such a job hangs). "
       "Give every rank the same number of batches, or use BatchNorm, whose buffers the guard "
       "keeps in step.");
+  LOCKSTEP_ENFORCE(!state.options.shard_gradients(), UsageError, "a join guard cannot keep "
+                   "DdpOptions::shard_gradients in step yet: a rank that ran out of batches "
+                   "would have to step its shard with the others'. Give every rank the same "
+                   "number of batches (DistributedSampler's drop_last), or leave "
+                   "shard_gradients off.");
   LOCKSTEP_ENFORCE(!state.joining, UsageError,
                    "a join guard is already active for this DistributedDataParallel; "
                    "one guard around the training loop is enough.");

@@ -23,6 +23,11 @@ bool Reducer::State::trainable_changed_locally() const {
 }
 
 void Reducer::State::take_in_unfrozen() {
+  // Every rank learned of it from the same extras: every rank raises.
+  LOCKSTEP_ENFORCE(!options.shard_gradients(), UsageError, "a parameter began to require "
+                   "grad in iteration ", iteration, ", and DdpOptions::shard_gradients lays "
+                   "the optimizer's shards over the buckets of the construction, for good. "
+                   "Set requires_grad before wrapping the module.");
   std::string mine;
   std::vector<NamedTensor> still_frozen;
   std::vector<NamedTensor> unfrozen;

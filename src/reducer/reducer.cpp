@@ -46,6 +46,9 @@ Reducer::Reducer(torch::nn::Module& module, World world, DdpOptions options)
   if (options.mixed_precision()) {
     check_mixed_precision(*options.mixed_precision());
   }
+  LOCKSTEP_ENFORCE(!options.shard_gradients() || !options.mixed_precision(), ConfigError,
+                   "DdpOptions::shard_gradients does not take a mixed-precision policy yet: "
+                   "the sharded averages are the masters' gradients. Choose one of the two.");
   DebugLevel level = options.debug().value_or(state.world.debug());
   state.info = level != DebugLevel::Off;
   if (level == DebugLevel::Detail) {
@@ -106,6 +109,14 @@ Reducer::Reducer(torch::nn::Module& module, World world, DdpOptions options)
   state.used_since_sync.assign(state.params.size(), 0);
   state.active_ranks = state.world.size();
   state.find_sparse_parameters(module);
+  for (size_t index = 0; index < state.params.size() && options.shard_gradients(); ++index) {
+    LOCKSTEP_ENFORCE(!state.sparse[index], ConfigError, "DdpOptions::shard_gradients cannot "
+                     "shard the sparse gradient of '", state.names[index], "': build the "
+                     "embedding without sparse(true), or do without shard_gradients.");
+  }
+  // Sharded, the buckets keep the construction's layout: the optimizer's
+  // pieces, and their state, are laid over it.
+  state.layout.rebuilt = options.shard_gradients();
   state.layout_buckets(state.dense_only(state.reverse_registration_order()));
   state.log_layout("at construction, in reverse registration order");
   state.install_hooks(0);
@@ -176,12 +187,17 @@ void Reducer::State::layout_buckets(const std::vector<size_t>& order) {
   std::vector<Bucket> fresh;
   std::vector<size_t> fresh_bucket_of(params.size(), 0);
   std::vector<size_t> fresh_slot_of(params.size(), 0);
-  Bucket::Allocate allocate = [this](int64_t numel, const at::TensorOptions& options) {
-    return options.device().is_cpu() ? world.allocate(numel, options.dtype().toScalarType())
-                                     : at::zeros({numel}, options);
+  // A sharded bucket comes and goes every iteration: plain memory, not the
+  // transport's (World::allocate is collective and kept for good).
+  bool sharded = options.shard_gradients();
+  Bucket::Allocate allocate = [this, sharded](int64_t numel, const at::TensorOptions& options) {
+    return options.device().is_cpu() && !sharded
+        ? world.allocate(numel, options.dtype().toScalarType())
+        : at::zeros({numel}, options);
   };
   for (size_t b = 0; b < plan.size(); ++b) {
-    fresh.emplace_back(plan[b], params, /*with_extras=*/b + 1 == plan.size(), allocate);
+    fresh.emplace_back(plan[b], params, /*with_extras=*/b + 1 == plan.size(), allocate,
+                       sharded ? world.size() : 0);
     for (size_t k = 0; k < plan[b].size(); ++k) {
       fresh_bucket_of[plan[b][k]] = b;
       fresh_slot_of[plan[b][k]] = k;
@@ -259,6 +275,11 @@ void Reducer::before_forward() {
   state.forward_start = Clock::now();
   state.rehook_replaced_accumulators();
   state.sync_at_forward = state.sync_enabled;
+  LOCKSTEP_ENFORCE(!state.options.shard_gradients() || state.gradient_shards, UsageError,
+                   "DdpOptions::shard_gradients keeps each rank's averages for its "
+                   "ZeroRedundancyOptimizer, and none is registered: call "
+                   "ddp.shard_gradients_with(optimizer) (or ddp.step_in_backward(optimizer)) "
+                   "before the first forward, on every rank.");
   if (state.in_backward_step) {
     state.check_no_step_outside();
   }
@@ -294,6 +315,9 @@ void Reducer::register_comm_hook(CommHook hook) {
   state.require_before_first_forward(
       "register_comm_hook", "the ranks must agree on how every bucket travels from the first "
       "iteration on");
+  LOCKSTEP_ENFORCE(!state.options.shard_gradients(), UsageError, "DdpOptions::"
+                   "shard_gradients does not take a communication hook yet: each bucket is "
+                   "reduce-scattered by the wrapper itself.");
   LOCKSTEP_ENFORCE(!state.comm_hook || state.comm_hook_is_policys, UsageError,
                    "a communication hook is already registered; one per "
                    "DistributedDataParallel, as in PyTorch. Compose hooks in one instead.");

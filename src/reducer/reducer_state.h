@@ -14,6 +14,7 @@
 
 #include <lockstep/comm_hook.h>
 #include <lockstep/error.h>
+#include <lockstep/detail/gradient_shard_owner.h>
 #include <lockstep/detail/reducer.h>
 #include <lockstep/step_in_backward.h>
 
@@ -164,6 +165,24 @@ struct Reducer::State : std::enable_shared_from_this<State> {
     std::unordered_set<const c10::TensorImpl*> freed;
   };
   std::optional<InBackwardStep> in_backward_step;
+  // DdpOptions::shard_gradients (sharded_gradients.cpp), once its owner is
+  // registered.
+  struct GradientShards {
+    GradientShardOwner* owner = nullptr;
+    std::vector<at::Tensor> averages; // per bucket: this rank's slice
+    // Per bucket, in this backward: a copy of its flags (and extras), their
+    // all-reduce, and their sums on the host once harvested.
+    std::vector<at::Tensor> flags_sent;
+    std::vector<std::optional<PendingCollective>> flags_work;
+    std::vector<std::vector<double>> flags;
+    // When each bucket's reduce-scatter completed (for the timeline, once
+    // harvested: the collective is let go of with the bucket's memory).
+    std::vector<Clock::time_point> completed;
+    size_t next_harvest = 0;
+    int64_t bytes_held = 0; // bucket buffers allocated now
+    int64_t peak_bytes_held = 0; // in this backward
+  };
+  std::optional<GradientShards> gradient_shards;
 
   // For the timeline and DdpStats, per bucket of the last backward: when it
   // launched (ms after the first gradient), its first gradient, its last,
@@ -226,6 +245,8 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   /// yet: what every rank must set up alike from the first iteration on.
   /// "`call` must come before the first forward, ...: `why`."
   void require_before_first_forward(const char* call, const char* why) const;
+  /// Reducer::step_in_backward, once the step is known.
+  void set_step_in_backward(ParameterStep step, const StepInBackwardOptions& options);
   /// Checks and sets up the mixed-precision policy (casts the buffers).
   void set_up_mixed_precision(const MixedPrecision& policy);
   /// Before a forward: the parameters take their 16-bit copies, cast from
@@ -271,6 +292,20 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   /// Starts bucket `b`'s reduction: the built-in all-reduce, or the hook.
   void launch_bucket(size_t b);
   void launch_through_hook(size_t b);
+  /// DdpOptions::shard_gradients: bucket `b`'s reduce-scatter into this
+  /// rank's slice, and the all-reduce of its flags; at most two buckets are
+  /// held at once, the older ones harvested.
+  void launch_sharded(size_t b);
+  /// Sharded: bucket `b`'s flags (then, in the last, the extras) summed
+  /// over ranks, its buckets and those before it harvested: awaited, and
+  /// their memory let go of.
+  const std::vector<double>& sharded_flags(size_t b);
+  /// Sharded: bucket `b`'s buffer, zeros, made now (at its first gradient,
+  /// or its launch when none came).
+  void allocate_sharded(size_t b);
+  /// Sharded write-back: bucket `b`'s slice becomes the average, which the
+  /// owner takes as its pieces' gradients.
+  void hand_over_average(size_t b, const double* flags);
   /// Waits for the buckets' reductions; returns every bucket's flags and
   /// then the extras, summed over ranks.
   std::vector<double> wait_for_buckets();

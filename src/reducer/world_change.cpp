@@ -25,6 +25,11 @@ void Reducer::tolerate_failures() {
       "model with SyncBatchNorm: its statistics are reduced in forward, in the world the "
       "module was converted with, which a failure replaces. Use BatchNorm (each rank's "
       "statistics, broadcast with the buffers) under fault tolerance.");
+  LOCKSTEP_ENFORCE(
+      !state.options.shard_gradients(), UsageError, "lockstep::FaultTolerance cannot take "
+      "DdpOptions::shard_gradients: a failed rank takes its shard of the gradients and of "
+      "the optimizer's state with it. Use ZeRO-1 (shard_gradients off) under fault "
+      "tolerance.");
   state.tolerating = true;
 }
 

@@ -84,6 +84,16 @@ struct WorldAccess {
   static void reduce_scatter(const World& world, const at::Tensor& output,
                              const at::Tensor& input, ReduceOp op,
                              const std::string& description);
+  /// A summing reduce_scatter that runs while the caller goes on (a
+  /// sharded bucket). `input` is spent: where the transport has no
+  /// reduce-scatter of its own, its first `unpadded` elements are
+  /// all-reduced in place (the rest are zeros on every rank) and this
+  /// rank's slice copied out at the wait, so that the sums are those of an
+  /// all-reduce of the unpadded tensor to the bit. Both must live until it
+  /// is waited for.
+  static PendingCollective reduce_scatter_async(const World& world, const at::Tensor& output,
+                                                const at::Tensor& input, int64_t unpadded,
+                                                const std::string& description);
 };
 
 } // namespace lockstep::detail

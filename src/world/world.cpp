@@ -430,6 +430,28 @@ PendingCollective WorldAccess::all_gather_into_async(const World& world,
   return PendingCollective(std::move(state));
 }
 
+PendingCollective WorldAccess::reduce_scatter_async(const World& world,
+                                                    const at::Tensor& output,
+                                                    const at::Tensor& input,
+                                                    int64_t unpadded,
+                                                    const std::string& description) {
+  auto& impl = *world.impl_;
+  auto state = std::make_shared<PendingCollective::State>();
+  state->world = world.impl_;
+  state->what = description;
+  state->tensor = output;
+  std::lock_guard<std::mutex> lock(impl.issue_mutex);
+  state->seq = impl.begin(description);
+  auto& transport = impl.transport_for(input);
+  state->work = transport.reduce_scatter(output, input, ReduceOp::Sum);
+  if (!state->work) {
+    state->tensor = input.narrow(0, world.rank() * output.numel(), output.numel());
+    state->view = output; // where wait() copies the slice
+    state->work = transport.all_reduce(input.narrow(0, 0, unpadded), ReduceOp::Sum);
+  }
+  return PendingCollective(std::move(state));
+}
+
 void WorldAccess::reduce_scatter(const World& world, const at::Tensor& output,
                                  const at::Tensor& input, ReduceOp op,
                                  const std::string& description) {

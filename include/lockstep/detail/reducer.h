@@ -70,6 +70,11 @@ class Reducer {
   void step_in_backward(torch::optim::Optimizer& optimizer,
                         const StepInBackwardOptions& options);
 
+  /// Before the first forward, with DdpOptions::shard_gradients: the
+  /// ZeroRedundancyOptimizer (a GradientShardOwner) that shards its pieces
+  /// by the buckets and keeps each bucket's slice of the average.
+  void shard_gradients_with(torch::optim::Optimizer& optimizer);
+
   /// Uneven inputs (join.h): from now on, each forward agrees on which
   /// ranks still train.
   void enter_join(const JoinOptions& options);
