@@ -270,6 +270,7 @@ class ShardedOptimizer : public torch::optim::Optimizer, public GradientShardOwn
   std::vector<BucketSlices> buckets_;
   std::vector<size_t> bucket_of_;  // per parameter
   std::vector<size_t> member_of_;  // per parameter, in its bucket
+  at::Tensor gather_buffer_;       // gather_buckets' output, reused
 };
 
 } // namespace detail

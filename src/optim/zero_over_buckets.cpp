@@ -164,7 +164,14 @@ void ShardedOptimizer::gather_buckets(const std::vector<at::Tensor>& params) {
       mine.narrow(0, bucket.starts[member_of_[piece.param]] + piece.offset - base, piece.length)
           .copy_(shard_[i].detach().reshape({-1}));
     }
-    auto full = at::empty({bucket.slice * world_.size()}, options);
+    // One buffer for every bucket's gather, kept: made anew, a bucket's
+    // worth of fresh pages would fault in every step.
+    int64_t numel = bucket.slice * world_.size();
+    if (!gather_buffer_.defined() || gather_buffer_.numel() < numel ||
+        gather_buffer_.dtype() != options.dtype() || gather_buffer_.device() != options.device()) {
+      gather_buffer_ = at::empty({numel}, options);
+    }
+    auto full = gather_buffer_.narrow(0, 0, numel);
     all_gather_into(world_, full, mine,
                     str("all_gather_into of the new parameters of bucket ", b, " (",
                         bucket.params.size(), " parameter(s), from their slices' owners in "

@@ -168,14 +168,11 @@ void Reducer::State::mark_ready(size_t index, bool used) {
   bool contributes = !backward.shadowing && grad.defined() && (used || used_since_sync[index]);
   at::NoGradGuard no_grad;
   size_t b = layout.bucket_of[index];
-  bool brings_values = grad.defined() && !backward.shadowing;
-  if (gradient_shards && brings_values && !bucket.allocated()) {
-    allocate_sharded(b);
+  if (gradient_shards && !bucket.allocated()) {
+    allocate_sharded(b); // at its first gradient (or, unused, its first mark)
   }
-  if (!brings_values) {
-    if (bucket.allocated()) { // a sharded bucket not yet made is zeros when it is
-      bucket.slot(k).zero_();
-    }
+  if (!grad.defined() || backward.shadowing) {
+    bucket.slot(k).zero_();
   } else if (grad.is_sparse()) {
     // A sparse gradient of a parameter in a bucket (a functional sparse
     // embedding, unknown at construction): averaged dense, the same values.
@@ -187,9 +184,7 @@ void Reducer::State::mark_ready(size_t index, bool used) {
     // its gradient must stay exactly as it was, so it leaves the bucket.
     grad = grad.clone();
   }
-  if (bucket.allocated()) {
-    bucket.flags()[static_cast<int64_t>(k)].fill_(contributes ? 1 : 0);
-  }
+  bucket.flags()[static_cast<int64_t>(k)].fill_(contributes ? 1 : 0);
   if (gradient_shards && grad.defined()) {
     // Copied into the bucket, it goes: this rank keeps only the average of
     // its own slice, which comes back from the reduce-scatter.

@@ -75,13 +75,16 @@ Bucket::Bucket(
 }
 
 void Bucket::allocate_buffer() {
-  // The padding is summed as it is: it must be zero.
   buffer_ = allocate_(total_numel_, options_);
+  if (shards_ > 0) {
+    // The padding is summed as it is: it must be zero.
+    buffer_.narrow(0, gradient_numel_, total_numel_ - gradient_numel_).zero_();
+  }
 }
 
-void Bucket::release_buffer() {
+at::Tensor Bucket::release_buffer() {
   TORCH_INTERNAL_ASSERT(shards_ > 0, "only a sharded bucket lets go of its buffer");
-  buffer_ = at::Tensor();
+  return std::exchange(buffer_, at::Tensor());
 }
 
 at::Tensor Bucket::slot(size_t k) const {

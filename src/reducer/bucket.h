@@ -71,8 +71,12 @@ class Bucket {
   bool allocated() const {
     return buffer_.defined();
   }
+  /// Sharded: the allocator may hand back used memory, so the flags,
+  /// extras and padding are zeroed here; every gradient slot is then
+  /// written, by its gradient or with zeros.
   void allocate_buffer();
-  void release_buffer();
+  /// Returns the buffer, for the next bucket to reuse.
+  at::Tensor release_buffer();
   at::Tensor flags() const;
   at::Tensor extras() const;
   /// Everything that is all-reduced.

@@ -191,9 +191,11 @@ void Reducer::State::layout_buckets(const std::vector<size_t>& order) {
   // transport's (World::allocate is collective and kept for good).
   bool sharded = options.shard_gradients();
   Bucket::Allocate allocate = [this, sharded](int64_t numel, const at::TensorOptions& options) {
-    return options.device().is_cpu() && !sharded
-        ? world.allocate(numel, options.dtype().toScalarType())
-        : at::zeros({numel}, options);
+    if (sharded) {
+      return take_spare_bucket(numel, options);
+    }
+    return options.device().is_cpu() ? world.allocate(numel, options.dtype().toScalarType())
+                                      : at::zeros({numel}, options);
   };
   for (size_t b = 0; b < plan.size(); ++b) {
     fresh.emplace_back(plan[b], params, /*with_extras=*/b + 1 == plan.size(), allocate,

@@ -182,6 +182,12 @@ struct Reducer::State : std::enable_shared_from_this<State> {
     int64_t bytes_held = 0; // bucket buffers allocated now
     int64_t peak_bytes_held = 0; // in this backward
   };
+  // Sharded buckets' buffers let go of, for the next ones to reuse: a
+  // buffer freed to the system and made again costs a page fault per page
+  // every iteration. At most kSpareBuckets, the largest kept.
+  std::vector<at::Tensor> spare_buckets;
+  /// Memory for a sharded bucket of `numel` elements (not zeroed).
+  at::Tensor take_spare_bucket(int64_t numel, const at::TensorOptions& options);
   std::optional<GradientShards> gradient_shards;
 
   // For the timeline and DdpStats, per bucket of the last backward: when it

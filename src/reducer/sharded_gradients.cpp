@@ -22,6 +22,8 @@ namespace {
 // while the next fills, and one more so that the wait for the oldest
 // overlaps the newest's launch.
 constexpr size_t kBucketsHeld = 2;
+// Buffers kept for reuse: those in flight and the one filling.
+constexpr size_t kSpareBuckets = kBucketsHeld + 1;
 
 } // namespace
 
@@ -60,6 +62,18 @@ void Reducer::shard_gradients_with(torch::optim::Optimizer& optimizer) {
   state.gradient_shards->averages = std::move(averages);
 }
 
+at::Tensor Reducer::State::take_spare_bucket(int64_t numel, const at::TensorOptions& options) {
+  for (auto spare = spare_buckets.begin(); spare != spare_buckets.end(); ++spare) {
+    if (spare->numel() >= numel && spare->dtype() == options.dtype() &&
+        spare->device() == options.device()) {
+      auto taken = std::move(*spare);
+      spare_buckets.erase(spare);
+      return taken.narrow(0, 0, numel);
+    }
+  }
+  return at::empty({numel}, options);
+}
+
 void Reducer::State::allocate_sharded(size_t b) {
   auto& shards = *gradient_shards;
   auto& bucket = layout.buckets[b];
@@ -71,9 +85,7 @@ void Reducer::State::allocate_sharded(size_t b) {
 void Reducer::State::launch_sharded(size_t b) {
   auto& shards = *gradient_shards;
   auto& bucket = layout.buckets[b];
-  if (!bucket.allocated()) {
-    allocate_sharded(b); // no rank-local gradient came: zeros
-  }
+  TORCH_INTERNAL_ASSERT(bucket.allocated(), "every member was marked, and the first made it");
   // The flags travel in a copy: the reduce-scatter may sum them in place
   // (a transport without one all-reduces the bucket, as DDP does).
   shards.flags_sent[b] = bucket.flags_and_extras().clone();
@@ -102,8 +114,19 @@ const std::vector<double>& Reducer::State::sharded_flags(size_t b) {
     shards.flags_work[next].reset();
     shards.flags_sent[next] = at::Tensor();
     auto& bucket = layout.buckets[next];
-    bucket.release_buffer();
+    auto buffer = bucket.release_buffer();
     shards.bytes_held -= bucket.bytes();
+    // Whole: the narrowing of an earlier reuse is undone.
+    auto whole = static_cast<int64_t>(buffer.storage().nbytes() / buffer.element_size());
+    spare_buckets.push_back(
+        at::empty({0}, buffer.options()).set_(buffer.storage(), 0, {whole}, {1}));
+    if (spare_buckets.size() > kSpareBuckets) {
+      auto smallest = std::min_element(spare_buckets.begin(), spare_buckets.end(),
+                                       [](const at::Tensor& a, const at::Tensor& b) {
+                                         return a.numel() < b.numel();
+                                       });
+      spare_buckets.erase(smallest);
+    }
   }
   return shards.flags[b];
 }
