@@ -402,6 +402,22 @@ std::vector<at::Tensor> slices_per_rank(const at::Tensor& output, int64_t each, 
   return slices;
 }
 
+// A collective that runs while the caller goes on: issued in this world's
+// order, its transport work started by `start`; `result` is what it writes.
+template <typename Start>
+PendingCollective issue_pending(const std::shared_ptr<World::Impl>& impl,
+                                const std::string& description, const at::Tensor& result,
+                                Start start) {
+  auto state = std::make_shared<PendingCollective::State>();
+  state->world = impl;
+  state->what = description;
+  state->tensor = result;
+  std::lock_guard<std::mutex> lock(impl->issue_mutex);
+  state->seq = impl->begin(description);
+  start(*state);
+  return PendingCollective(std::move(state));
+}
+
 } // namespace
 
 void WorldAccess::all_gather_into(const World& world, const at::Tensor& output,
@@ -418,16 +434,10 @@ PendingCollective WorldAccess::all_gather_into_async(const World& world,
                                                      const at::Tensor& output,
                                                      const at::Tensor& input,
                                                      const std::string& description) {
-  auto& impl = *world.impl_;
   auto outputs = slices_per_rank(output, input.numel(), world.size());
-  auto state = std::make_shared<PendingCollective::State>();
-  state->world = world.impl_;
-  state->what = description;
-  state->tensor = output;
-  std::lock_guard<std::mutex> lock(impl.issue_mutex);
-  state->seq = impl.begin(description);
-  state->work = impl.transport_for(input).all_gather(outputs, input);
-  return PendingCollective(std::move(state));
+  return issue_pending(world.impl_, description, output, [&](PendingCollective::State& state) {
+    state.work = world.impl_->transport_for(input).all_gather(outputs, input);
+  });
 }
 
 PendingCollective WorldAccess::reduce_scatter_async(const World& world,
@@ -435,21 +445,15 @@ PendingCollective WorldAccess::reduce_scatter_async(const World& world,
                                                     const at::Tensor& input,
                                                     int64_t unpadded,
                                                     const std::string& description) {
-  auto& impl = *world.impl_;
-  auto state = std::make_shared<PendingCollective::State>();
-  state->world = world.impl_;
-  state->what = description;
-  state->tensor = output;
-  std::lock_guard<std::mutex> lock(impl.issue_mutex);
-  state->seq = impl.begin(description);
-  auto& transport = impl.transport_for(input);
-  state->work = transport.reduce_scatter(output, input, ReduceOp::Sum);
-  if (!state->work) {
-    state->tensor = input.narrow(0, world.rank() * output.numel(), output.numel());
-    state->view = output; // where wait() copies the slice
-    state->work = transport.all_reduce(input.narrow(0, 0, unpadded), ReduceOp::Sum);
-  }
-  return PendingCollective(std::move(state));
+  return issue_pending(world.impl_, description, output, [&](PendingCollective::State& state) {
+    auto& transport = world.impl_->transport_for(input);
+    state.work = transport.reduce_scatter(output, input, ReduceOp::Sum);
+    if (!state.work) {
+      state.tensor = input.narrow(0, world.rank() * output.numel(), output.numel());
+      state.view = output; // where wait() copies the slice
+      state.work = transport.all_reduce(input.narrow(0, 0, unpadded), ReduceOp::Sum);
+    }
+  });
 }
 
 void WorldAccess::reduce_scatter(const World& world, const at::Tensor& output,
