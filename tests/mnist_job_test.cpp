@@ -9,7 +9,9 @@
 #include <sstream>
 
 #include <gtest/gtest.h>
+#include <torch/version.h>
 
+#include "support/documented_error.h"
 #include "support/job_output.h"
 #include "support/multiprocess.h"
 #include "support/scratch_folder.h"
@@ -114,6 +116,81 @@ TEST(MnistJob, ACheckpointPathThatIsAFolderFailsBeforeTraining) {
                                           "--checkpoint-dir."))
       << result.output;
   EXPECT_FALSE(contains(result.output, " step ")) << "it trained first:\n" << result.output;
+}
+
+// Whether this CPU's flags (/proc/cpuinfo) include every one of `flags`.
+bool cpu_has(const std::vector<std::string>& flags) {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(cpuinfo, line)) {
+    if (line.rfind("flags", 0) == 0) {
+      line += " ";
+      for (const auto& flag : flags) {
+        if (!contains(line, " " + flag + " ")) {
+          return false;
+        }
+      }
+      return true;
+    }
+  }
+  return false;
+}
+
+// The lines of `output` that contain `part`.
+std::vector<std::string> lines_with(const std::string& output, const std::string& part) {
+  std::vector<std::string> found;
+  std::istringstream lines(output);
+  for (std::string line; std::getline(lines, line);) {
+    if (contains(line, part)) {
+      found.push_back(line);
+    }
+  }
+  return found;
+}
+
+// With oneDNN limited to AVX2 (as the tests' environment limits it, and as
+// some sites do), LibTorch 1.13 still hands a bfloat16 convolution to
+// oneDNN on a CPU with AVX-512, and oneDNN has none: the job is refused
+// before its first step, by name, on every rank, instead of failing in it
+// with oneDNN's "could not create a primitive descriptor iterator". Where
+// this LibTorch and CPU can convolve in bfloat16 so limited, the job trains.
+TEST(MnistJob, SixteenBitWorkThatCannotRunHereIsNamedBeforeTheFirstStep) {
+  bool must_refuse = TORCH_VERSION_MAJOR < 2 && cpu_has({"avx512bw", "avx512vl", "avx512dq"});
+  std::string documented = documented_message("bf16-cpu-work");
+  const std::string autocast = "autocast (lockstep::amp::Autocast)";
+  for (const std::string& who :
+       {autocast, std::string("the mixed-precision policy (DdpOptions::mixed_precision)")}) {
+    std::string flag = who == autocast ? "--autocast" : "--mixed-precision";
+    auto result =
+        run_process(under_launcher({"--nproc-per-node", "2"}, job({flag, "--log-every", "1"})),
+                    {{"ONEDNN_MAX_CPU_ISA", "AVX2"}}, std::chrono::seconds(180));
+    if (result.ok()) {
+      EXPECT_FALSE(must_refuse) << "LibTorch 1.13 on an AVX-512 CPU trained " << flag
+                                << " under ONEDNN_MAX_CPU_ISA=AVX2:\n" << result.output;
+      EXPECT_TRUE(contains(result.output, "final test accuracy")) << result.output;
+      std::cout << flag << ": 16-bit convolutions run here under ONEDNN_MAX_CPU_ISA=AVX2\n";
+      continue;
+    }
+    EXPECT_FALSE(contains(result.output, " step 1/")) << flag << " trained first:\n"
+                                                     << result.output;
+    EXPECT_FALSE(contains(result.output, "could not create a primitive descriptor iterator\n"))
+        << "oneDNN's words reached the user alone:\n" << result.output;
+    auto messages = lines_with(result.output, "computes the model's ");
+    // Every rank raises it; the launcher stops the others once the first
+    // has exited, so that the second may not have printed it yet.
+    EXPECT_TRUE(messages.size() == 1 || messages.size() == 2)
+        << "one message per rank expected:\n" << result.output;
+    std::string expected = documented;
+    auto named = expected.find(autocast);
+    ASSERT_NE(named, std::string::npos) << documented;
+    expected.replace(named, autocast.size(), who);
+    for (auto message : messages) {
+      message = message.substr(message.find("lockstep: ")); // after lockstep-run's "[r] "
+      EXPECT_TRUE(matches_documented(message, expected))
+          << "docs/troubleshooting.md, message 'bf16-cpu-work', reads:\n"
+          << expected << "\nbut the error reads:\n" << message;
+    }
+  }
 }
 
 // Exact at any world size over shared memory, which sums each element in

@@ -16,6 +16,8 @@
 
 #include <lockstep/sync_batch_norm.h>
 
+#include "amp/sixteen_bit_support.h"
+#include "compat/autocast.h"
 #include "hooks/compress_hooks.h"
 #include "reducer/bucket_cap.h"
 #include "reducer/graph_walk.h"
@@ -74,6 +76,14 @@ Reducer::Reducer(torch::nn::Module& module, World world, DdpOptions options)
           "wraps a model on one device, one process per GPU: move it there with "
           "module->to(device) before wrapping it.");
     }
+  }
+  // Before any collective, so that every rank raises the same error alone.
+  if (!all_params.empty() && all_params.front().tensor.is_cpu()) {
+    state.cpu_work = cpu_work_of(module);
+  }
+  if (options.mixed_precision()) {
+    require_cpu_work_in(state.cpu_work, options.mixed_precision()->param_dtype(),
+                        "the mixed-precision policy (DdpOptions::mixed_precision)");
   }
   std::vector<at::Tensor> module_state;
   for (const auto& entry : all_params) {
@@ -273,6 +283,10 @@ std::string Reducer::State::describe_bucket(size_t b) const {
 void Reducer::before_forward() {
   auto& state = *state_;
   std::lock_guard<std::mutex> lock(state.mutex);
+  if (!state.cpu_work.empty() && autocast_enabled(c10::DeviceType::CPU)) {
+    require_cpu_work_in(state.cpu_work, autocast_dtype(c10::DeviceType::CPU),
+                        "autocast (lockstep::amp::Autocast)");
+  }
   state.stats.last = IterationStats{};
   state.forward_start = Clock::now();
   state.rehook_replaced_accumulators();

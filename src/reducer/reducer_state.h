@@ -18,6 +18,7 @@
 #include <lockstep/detail/reducer.h>
 #include <lockstep/step_in_backward.h>
 
+#include "amp/sixteen_bit_support.h"
 #include "reducer/bucket.h"
 #include "reducer/model_state.h"
 
@@ -154,6 +155,9 @@ struct Reducer::State : std::enable_shared_from_this<State> {
     int64_t swapped_at_forward = 0; // the forward that swapped them in
   };
   std::optional<MixedPrecisionCopies> mixed_precision;
+  // What 16-bit work the model does on CPU: a 16-bit forward (autocast, the
+  // policy) is first checked to run here (amp/sixteen_bit_support.h).
+  std::vector<CpuWork> cpu_work;
   // ddp.step_in_backward (in_backward_step.cpp).
   struct InBackwardStep {
     ParameterStep step;
