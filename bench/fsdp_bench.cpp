@@ -15,7 +15,14 @@
 // and Adam's two moments that one rank holds, by the mode's own account.
 //
 //   fsdp_bench MODE [ITERATIONS=3] [WIDTH=1024] [DEPTH=18] [BATCH=16]
-//   MODE: ddp | zero1 | zero2 | fsdp | fsdp_kept | fsdp_prefetch
+//   MODE: ddp | zero1 | zero2 | fsdp | fsdp_kept | fsdp_prefetch | fsdp_frozen |
+//         fsdp_unused
+//
+// fsdp_frozen: the first block frozen whole and every other block's
+// LayerNorm frozen (a partly frozen model, as under LoRA); fsdp_unused: the
+// last block holds a Linear WIDTH -> WIDTH that its forward never calls (a
+// trainable parameter unused in every step). Their state counts gradients
+// and Adam moments for the parameters that get gradients only.
 //
 // MODE checkpoint (FSDP, after ITERATIONS steps; LOCKSTEP_BENCH_DIR names
 // the folder, /tmp by default) times the two kinds of checkpoint and the
@@ -49,11 +56,15 @@ using namespace lockstep;
 using Clock = std::chrono::steady_clock;
 
 struct BlockImpl : torch::nn::Module {
-  explicit BlockImpl(int64_t width)
+  explicit BlockImpl(int64_t width, bool with_unused = false)
       : norm(register_module("norm", torch::nn::LayerNorm(
                                          torch::nn::LayerNormOptions({width})))),
         up(register_module("up", torch::nn::Linear(width, 4 * width))),
-        down(register_module("down", torch::nn::Linear(4 * width, width))) {}
+        down(register_module("down", torch::nn::Linear(4 * width, width))) {
+    if (with_unused) {
+      register_module("unused", torch::nn::Linear(width, width));
+    }
+  }
   torch::Tensor forward(const torch::Tensor& x) {
     return x + down(torch::gelu(up(norm(x))));
   }
@@ -63,9 +74,10 @@ struct BlockImpl : torch::nn::Module {
 TORCH_MODULE(Block);
 
 struct StackImpl : torch::nn::Module {
-  StackImpl(int64_t width, int64_t depth) {
+  StackImpl(int64_t width, int64_t depth, bool with_unused = false) {
     for (int64_t i = 0; i < depth; ++i) {
-      blocks.push_back(register_module("block" + std::to_string(i), Sharded<Block>(width)));
+      blocks.push_back(register_module("block" + std::to_string(i),
+                                       Sharded<Block>(width, with_unused && i == depth - 1)));
     }
     head = register_module("head", torch::nn::Linear(width, width));
   }
@@ -168,10 +180,22 @@ int train(int argc, char** argv) {
   // What a rank holds before the model: LibTorch, the world's connections.
   double baseline = largest(world, status_mib("VmRSS"));
   torch::manual_seed(0);
-  Stack model(width, depth);
+  Stack model(width, depth, mode == "fsdp_unused");
+  if (mode == "fsdp_frozen") {
+    for (size_t i = 0; i < model->blocks.size(); ++i) {
+      auto& block = *model->blocks[i];
+      for (auto& param : i == 0 ? block.parameters() : block.norm->parameters()) {
+        param.requires_grad_(false);
+      }
+    }
+  }
   double parameters = 0;
-  for (const auto& p : model->parameters()) {
-    parameters += static_cast<double>(p.numel());
+  double trained = 0; // those that get gradients (and Adam's moments)
+  for (const auto& item : model->named_parameters()) {
+    auto count = static_cast<double>(item.value().numel());
+    parameters += count;
+    bool unused = item.key().find(".unused.") != std::string::npos;
+    trained += item.value().requires_grad() && !unused ? count : 0;
   }
   double mib = 4.0 / (1 << 20); // float32
   std::optional<DistributedDataParallel<Stack>> ddp;
@@ -197,14 +221,14 @@ int train(int argc, char** argv) {
       optimizer = std::move(zero);
     }
   } else if (mode == "fsdp" || mode == "fsdp_kept" || mode == "fsdp_prefetch" ||
-             mode == "checkpoint") {
+             mode == "fsdp_frozen" || mode == "fsdp_unused" || mode == "checkpoint") {
     fsdp.emplace(model, world,
                  FsdpOptions()
                      .reshard_after_forward(mode != "fsdp_kept")
                      .prefetch(mode == "fsdp_prefetch"));
     optimizer = std::make_unique<torch::optim::Adam>(fsdp->parameters(),
                                                      torch::optim::AdamOptions(1e-4));
-    state = 4 * parameters / ranks * mib;
+    state = (parameters + 3 * trained) / ranks * mib;
   } else {
     std::fprintf(stderr, "fsdp_bench: unknown mode %s\n", mode.c_str());
     return 2;

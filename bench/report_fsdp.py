@@ -31,6 +31,8 @@ names = {
     "fsdp": "FSDP (ZeRO-3), reshard after forward",
     "fsdp_kept": "FSDP, parameters kept from forward to backward",
     "fsdp_prefetch": "FSDP, reshard after forward, prefetching the next unit",
+    "fsdp_frozen": "FSDP, first block frozen, every other block's LayerNorm frozen",
+    "fsdp_unused": "FSDP, an unused Linear in the last block",
     "fsdp2": "FSDP2 fully_shard",
 }
 lines = [
@@ -68,15 +70,24 @@ for row in rows:
         f"{number(row, 'peak_build_mib'):.0f} |")
 
 lines += ["", "## Goals", ""]
+# The unused Linear makes the last block the largest unit.
+largest_units = {"fsdp_unused": unit_mib + (width * width + width) * 4 / (1 << 20) + unit_mib}
+for mode in ("fsdp", "fsdp_frozen", "fsdp_unused"):
+    row = find("lockstep", mode)
+    if not row or number(row, "ms_per_step") is None:
+        continue
+    state = number(row, "state_mib_per_rank")
+    units = largest_units.get(mode, 2 * unit_mib)
+    budget = (state + units) * 1.15
+    peak = number(row, "peak_train_mib")
+    above = peak - number(row, "baseline_mib")
+    lines.append(
+        f"- {names[mode]}: peak per rank {peak:.0f} MiB raw ({above:.0f} above the base), "
+        f"against 1/N of the state ({state:.0f}) + the two largest units' parameters "
+        f"({units:.0f}) + 15% = {budget:.0f} MiB: raw {'met' if peak <= budget else 'missed'}, "
+        f"above the base {'met' if above <= budget else 'missed'}.")
 ours = find("lockstep", "fsdp")
 if ours and number(ours, "ms_per_step") is not None:
-    state = number(ours, "state_mib_per_rank")
-    budget = (state + 2 * unit_mib) * 1.15
-    above = number(ours, "peak_train_mib") - number(ours, "baseline_mib")
-    lines.append(
-        f"- Peak per rank above the base, {above:.0f} MiB, against 1/N of the state "
-        f"({state:.0f}) + the two largest units' parameters (2 x {unit_mib:.0f}) + 15% = "
-        f"{budget:.0f} MiB: {'met' if above <= budget else 'missed'}.")
     ddp = find("lockstep", "ddp")
     if ddp and number(ddp, "ms_per_step"):
         ratio = number(ours, "ms_per_step") / number(ddp, "ms_per_step")

@@ -67,6 +67,14 @@ struct MixedPrecision {
   /// Floating buffers (BatchNorm's statistics) are cast to it once, when the
   /// wrapper is built. Unset: left as they are.
   TORCH_ARG(std::optional<at::ScalarType>, buffer_dtype);
+  /// BatchNorm (torch::nn::BatchNorm1d/2d/3d, lockstep::SyncBatchNorm)
+  /// keeps its parameters and statistics in their own dtype: it normalises
+  /// the 16-bit activations with float32 weights and statistics and
+  /// returns them in 16 bits, as PyTorch's FSDP keeps _BatchNorm in full
+  /// precision. False casts it as every other module (a plain BatchNorm then
+  /// needs buffer_dtype equal to param_dtype: its statistics must be of its
+  /// weight's dtype).
+  TORCH_ARG(bool, batch_norm_in_full_precision) = true;
 };
 
 /// How DistributedDataParallel synchronises a module. Every field has the

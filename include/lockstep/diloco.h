@@ -29,6 +29,7 @@
 //   }
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -43,6 +44,9 @@ class Optimizer;
 } // namespace torch::optim
 
 namespace lockstep {
+namespace amp {
+class GradScaler;
+} // namespace amp
 
 struct DiLoCoOptions {
   /// H: inner steps between two synchronisations of the same fragment; a
@@ -85,6 +89,12 @@ class DiLoCo {
   /// alone, the first call takes no inner step but receives the live state
   /// at the others' next synchronisation.
   void step();
+  /// The same with the inner step through `scaler` (scaler.step(inner),
+  /// skipped on inf or NaN); call scaler.update() after it, as after
+  /// scaler.step(). A skipped step counts as one of the H: replicas skip
+  /// apart, each by its own scale, and counting calls keeps their
+  /// synchronisations at the same calls (torchft counts steps taken).
+  void step(amp::GradScaler& scaler);
   /// Inner steps taken.
   int64_t local_step() const;
   /// Fragment synchronisations applied; the next is fragment syncs() % F.
@@ -94,6 +104,7 @@ class DiLoCo {
 
  private:
   friend class FaultTolerance;
+  void step_with(const std::function<void()>& inner_step);
   std::shared_ptr<Impl> impl_;
 };
 
@@ -106,6 +117,8 @@ class LocalSGD {
            int64_t sync_every);
   /// In place of inner.step().
   void step();
+  /// The same through `scaler`, as DiLoCo::step(scaler).
+  void step(amp::GradScaler& scaler);
   int64_t local_step() const {
     return local_step_;
   }
@@ -116,6 +129,7 @@ class LocalSGD {
   torch::optim::Optimizer& inner_;
   int64_t sync_every_;
   int64_t local_step_ = 0;
+  void average_when_due();
 };
 
 } // namespace lockstep

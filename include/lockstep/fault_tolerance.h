@@ -39,6 +39,9 @@ class Optimizer;
 namespace lockstep {
 
 class DiLoCo;
+namespace amp {
+class GradScaler;
+} // namespace amp
 namespace detail {
 class Guarded;
 } // namespace detail
@@ -137,6 +140,12 @@ class FaultTolerance {
   void register_state(const std::string& name,
                       std::function<void(torch::serialize::OutputArchive&)> save,
                       std::function<void(torch::serialize::InputArchive&)> load);
+  /// A GradScaler that steps this FaultTolerance's optimizer: its scale
+  /// and growth tracker reach a rank that rejoins, so that every rank
+  /// scales its loss alike. Its step() refuses to run unregistered (a
+  /// rejoined rank would scale by init_scale while the others scale by
+  /// what they learned, and DDP would average unlike gradients).
+  void register_state(const std::string& name, amp::GradScaler& scaler);
   /// Who trains the current step: this process's rank and the size.
   const World& world() const;
   FaultToleranceStats stats() const;

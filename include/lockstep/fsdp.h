@@ -36,9 +36,11 @@
 // (a plain process, the one-process reference of a test) a Sharded block
 // is the block itself. See docs/ddp.md, "When the model does not fit".
 
+#include <exception>
 #include <memory>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -71,6 +73,17 @@ struct FsdpOptions {
   /// Gloo the gather runs meanwhile; over shared memory it moves when the
   /// rank next calls into the transport, so it gains little there.
   TORCH_ARG(bool, prefetch) = false;
+  /// What forward and backward compute in (PyTorch's MixedPrecisionPolicy
+  /// param_dtype): each unit's shard is cast to it and gathered in it
+  /// (half the bytes of float32), its parameters are these copies while it
+  /// computes, its gradients come in it and are averaged in reduce_dtype
+  /// (unset: this dtype, as FSDP2) into the float32 shards, which the
+  /// optimizer steps. Floating inputs of the wrapper's forward are cast to
+  /// it. A unit that holds only BatchNorm parameters keeps its own dtype
+  /// (declare each BatchNorm a unit: lockstep::Sharded<torch::nn::BatchNorm2d>);
+  /// a unit that mixes them with others is refused. Unset: the parameters'
+  /// own dtype.
+  TORCH_ARG(std::optional<at::ScalarType>, param_dtype);
 };
 
 namespace detail {
@@ -84,7 +97,21 @@ class UnitHooks {
   /// `outputs` as collect_tensors makes them (an undefined tensor for an
   /// output of another type).
   virtual void after_forward(const std::vector<at::Tensor>& outputs) = 0;
+  /// An input of the unit's forward as the unit receives it: one that
+  /// requires grad comes back as a view whose gradient tells the wrapper
+  /// that the unit's backward is over (FSDP2's post-backward), so that a
+  /// unit with frozen or unused parameters is freed and reduced then.
+  virtual at::Tensor mark_input(const at::Tensor& input) = 0;
 };
+
+template <typename T>
+decltype(auto) mark_input(UnitHooks& hooks, T&& arg) {
+  if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor>) {
+    return at::Tensor(hooks.mark_input(arg));
+  } else {
+    return std::forward<T>(arg);
+  }
+}
 
 /// Marks `module` as a unit (Sharded's constructors do).
 void declare_unit(const std::shared_ptr<torch::nn::Module>& module);
@@ -104,8 +131,18 @@ class ShardedModel {
   ShardedModel& operator=(const ShardedModel&) = delete;
 
   void before_forward();
-  void forward_failed();
+  /// Frees what the failed forward gathered. Where `error` is not
+  /// lockstep's and a unit with parameters had not been gathered in this
+  /// forward, raises UsageError naming it (a unit called around its
+  /// holder computes on freed, empty parameters: ATen's shape error).
+  void forward_failed(const std::exception_ptr& error);
   void after_forward(const std::vector<at::Tensor>& outputs);
+  /// FsdpOptions::param_dtype, for the wrapper's inputs.
+  std::optional<at::ScalarType> input_dtype() const;
+  /// While false, backward accumulates each unit's gradients in full and
+  /// reduces nothing; the next backward with it true reduces the sum once.
+  void set_sync_enabled(bool enabled);
+  bool sync_enabled() const;
   /// This rank's piece of every parameter that it holds a part of: leaf
   /// tensors that an optimizer steps, their gradients the averages.
   std::vector<at::Tensor> parameters() const;
@@ -183,7 +220,7 @@ class Sharded : public Block {
     hooks->before_forward();
     auto output = [&] {
       try {
-        return Block::operator()(std::forward<Args>(args)...);
+        return Block::operator()(detail::mark_input(*hooks, std::forward<Args>(args))...);
       } catch (...) {
         hooks->forward_failed();
         throw;
@@ -214,6 +251,32 @@ class FullParametersGuard {
   detail::ShardedModel& model_;
 };
 
+/// Keeps FullyShardedDataParallel's gradients local while alive (FSDP2's
+/// set_requires_gradient_sync(False)): backward passes accumulate each
+/// unit's gradients in full, and the next backward outside the guard
+/// reduce-scatters the sum once. Made by FullyShardedDataParallel::no_sync.
+class FsdpNoSyncGuard {
+ public:
+  explicit FsdpNoSyncGuard(detail::ShardedModel& model)
+      : model_(&model), previous_(model.sync_enabled()) {
+    model_->set_sync_enabled(false);
+  }
+  FsdpNoSyncGuard(FsdpNoSyncGuard&& other) noexcept
+      : model_(std::exchange(other.model_, nullptr)), previous_(other.previous_) {}
+  FsdpNoSyncGuard(const FsdpNoSyncGuard&) = delete;
+  FsdpNoSyncGuard& operator=(const FsdpNoSyncGuard&) = delete;
+  FsdpNoSyncGuard& operator=(FsdpNoSyncGuard&&) = delete;
+  ~FsdpNoSyncGuard() {
+    if (model_ != nullptr) {
+      model_->set_sync_enabled(previous_);
+    }
+  }
+
+ private:
+  detail::ShardedModel* model_;
+  bool previous_;
+};
+
 /// ZeRO-3 data parallelism: see the top of this header. Built on every rank
 /// alike; `ModuleType` as DistributedDataParallel takes it.
 template <typename ModuleType>
@@ -227,11 +290,13 @@ class FullyShardedDataParallel {
   template <typename... Args>
   auto forward(Args&&... args) {
     model_->before_forward();
+    auto dtype = model_->input_dtype();
     auto output = [&] {
       try {
-        return detail::call_forward(module_, std::forward<Args>(args)...);
+        return detail::call_forward(module_,
+                                    detail::cast_input(std::forward<Args>(args), dtype)...);
       } catch (...) {
-        model_->forward_failed();
+        model_->forward_failed(std::current_exception());
         throw;
       }
     }();
@@ -243,6 +308,13 @@ class FullyShardedDataParallel {
   template <typename... Args>
   auto operator()(Args&&... args) {
     return forward(std::forward<Args>(args)...);
+  }
+
+  /// `auto guard = fsdp.no_sync();` accumulates gradients without reducing
+  /// them while it lives (FsdpNoSyncGuard); each unit's gradients are held
+  /// in full meanwhile.
+  [[nodiscard]] FsdpNoSyncGuard no_sync() {
+    return FsdpNoSyncGuard(*model_);
   }
 
   /// What an optimizer steps: this rank's pieces of the parameters.

@@ -20,8 +20,10 @@
 //   }
 //
 // Every rank skips the same steps: under DistributedDataParallel every rank
-// unscales the same averaged gradients; a ZeroRedundancyOptimizer's ranks
-// agree on found-inf by a collective (docs/ddp.md, "Mixed precision").
+// unscales the same averaged gradients; the ranks that hold shards of them
+// (a ZeroRedundancyOptimizer's, ZeRO-2's, an optimizer over
+// FullyShardedDataParallel's pieces) agree on found-inf by a collective of
+// those ranks (docs/ddp.md, "Mixed precision").
 
 #include <cstdint>
 #include <map>
@@ -100,8 +102,9 @@ class GradScaler {
     Stage stage = Stage::Ready;
     bool found_inf = false;
   };
-  /// Divides the gradients by the scale; whether one was inf or NaN.
-  bool unscale_gradients(const std::vector<at::Tensor>& parameters) const;
+  /// Divides the gradients by the scale; whether one was inf or NaN, as a
+  /// float32 tensor of one element (1 or 0) on the CPU.
+  at::Tensor unscale_gradients(const std::vector<at::Tensor>& parameters) const;
 
   GradScalerOptions options_;
   float scale_;

@@ -16,6 +16,9 @@
 #include <lockstep/error.h>
 #include <lockstep/zero_redundancy_optimizer.h>
 
+#include "fault/scaler_registry.h"
+#include "optim/gradient_placement.h"
+
 namespace lockstep::amp {
 
 GradScaler::GradScaler(GradScalerOptions options)
@@ -53,30 +56,28 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
                    "update().");
   LOCKSTEP_ENFORCE(state.stage != Stage::Stepped, UsageError,
                    "unscale_() is being called after step().");
-  auto* sharded = dynamic_cast<detail::ShardedOptimizer*>(&optimizer);
-  // Under DdpOptions::shard_gradients the gradients are the shard's pieces'.
-  auto& holder = sharded != nullptr && sharded->gradients_sharded()
-      ? sharded->local_optimizer()
-      : optimizer;
-  std::vector<at::Tensor> parameters;
-  for (auto& group : holder.param_groups()) {
-    parameters.insert(parameters.end(), group.params().begin(), group.params().end());
+  // Ranks that each hold a shard of the gradients (ZeRO, ZeRO-2, FSDP) must
+  // skip alike, whatever inf or NaN their own shard holds.
+  auto placement = detail::gradient_placement(optimizer);
+  auto flag = unscale_gradients(placement.holders);
+  if (placement.sharded_across) {
+    placement.sharded_across->all_reduce(flag, ReduceOp::Max);
   }
-  bool found = unscale_gradients(parameters);
-  // A ZeroRedundancyOptimizer's ranks must skip alike, whatever gradients
-  // each of them reads.
-  if (sharded != nullptr) {
-    auto flag = at::full({1}, found ? 1.0 : 0.0, at::kFloat);
-    sharded->world().all_reduce(flag, ReduceOp::Max);
-    found = flag.item<float>() > 0;
-  }
-  state.found_inf = found;
+  state.found_inf = flag.item<float>() > 0;
   state.stage = Stage::Unscaled;
 }
 
-bool GradScaler::unscale_gradients(const std::vector<at::Tensor>& parameters) const {
+at::Tensor GradScaler::unscale_gradients(const std::vector<at::Tensor>& parameters) const {
   auto inverse = static_cast<float>(1.0 / static_cast<double>(scale_));
-  bool found = false;
+  // Whether any gradient holds an inf or a NaN, kept on the gradients'
+  // device and read once by the caller: no host sync per parameter, as
+  // PyTorch's _amp_foreach_non_finite_check_and_unscale_.
+  at::Tensor nonfinite;
+  auto note = [&nonfinite](const at::Tensor& values) {
+    auto here = at::logical_not(at::isfinite(values)).any();
+    nonfinite = nonfinite.defined() ? at::logical_or(nonfinite, here.to(nonfinite.device()))
+                                    : here;
+  };
   at::NoGradGuard no_grad;
   for (auto parameter : parameters) {
     auto& grad = parameter.mutable_grad();
@@ -88,14 +89,16 @@ bool GradScaler::unscale_gradients(const std::vector<at::Tensor>& parameters) co
                      "(autocast, or DDP's mixed-precision policy, computes in 16 bits).");
     if (grad.is_sparse()) {
       grad = grad.coalesce();
-      found = found || !at::isfinite(grad._values()).all().item<bool>();
+      note(grad._values());
       grad._values().mul_(inverse);
       continue;
     }
-    found = found || !at::isfinite(grad).all().item<bool>();
+    note(grad);
     grad.mul_(at::scalar_tensor(inverse, grad.options().dtype(at::kFloat)));
   }
-  return found;
+  // A float32 flag on the CPU, where every transport reduces it.
+  return nonfinite.defined() ? nonfinite.to(at::kCPU, at::kFloat).reshape({1})
+                             : at::zeros({1}, at::kFloat);
 }
 
 bool GradScaler::unscale_for_step_in_backward(const std::vector<at::Tensor>& parameters) {
@@ -107,7 +110,7 @@ bool GradScaler::unscale_for_step_in_backward(const std::vector<at::Tensor>& par
                    "a second synchronised backward stepped inside backward without "
                    "scaler.update() in between: call scaler.update() after each backward "
                    "whose optimizer steps inside it (StepInBackwardOptions::grad_scaler).");
-  state.found_inf = unscale_gradients(parameters);
+  state.found_inf = unscale_gradients(parameters).item<float>() > 0;
   state.stage = Stage::Stepped;
   return state.found_inf;
 }
@@ -117,6 +120,7 @@ bool GradScaler::step(torch::optim::Optimizer& optimizer) {
     optimizer.step();
     return true;
   }
+  detail::require_scaler_carried(optimizer, *this);
   auto& state = per_optimizer_[&optimizer];
   LOCKSTEP_ENFORCE(state.stage != Stage::Stepped, UsageError,
                    "step() has already been called since the last update().");

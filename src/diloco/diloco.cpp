@@ -8,6 +8,8 @@
 
 #include <lockstep/diloco.h>
 
+#include <lockstep/grad_scaler.h>
+
 #include <algorithm>
 #include <optional>
 #include <sstream>
@@ -280,6 +282,14 @@ DiLoCo::~DiLoCo() {
 }
 
 void DiLoCo::step() {
+  step_with([this] { impl_->inner.step(); });
+}
+
+void DiLoCo::step(amp::GradScaler& scaler) {
+  step_with([this, &scaler] { scaler.step(impl_->inner); });
+}
+
+void DiLoCo::step_with(const std::function<void()>& inner_step) {
   auto& impl = *impl_;
   LOCKSTEP_ENFORCE(impl.joined || impl.fault_tolerance != nullptr, UsageError,
                    "this DiLoCo replica was restarted alone (lockstep-run --restart rank) and "
@@ -288,7 +298,12 @@ void DiLoCo::step() {
   // the live state at the others' next synchronisation, and sends with them.
   bool joining = !impl.joined;
   if (!joining) {
-    impl.inner.step();
+    // A step that a GradScaler skipped counts too: replicas skip apart
+    // (each its own scale), and counting calls keeps every replica's
+    // synchronisations at the same calls, so that none waits for one that
+    // another will never make. (torchft counts steps taken, from its
+    // optimizer's post-step hook.)
+    inner_step();
     ++impl.local_step;
   }
   if (joining || impl.send_due()) {

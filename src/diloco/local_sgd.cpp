@@ -2,6 +2,8 @@
 
 #include <lockstep/diloco.h>
 
+#include <lockstep/grad_scaler.h>
+
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/optim/optimizer.h>
@@ -25,6 +27,16 @@ LocalSGD::LocalSGD(World replicas, std::vector<at::Tensor> parameters,
 
 void LocalSGD::step() {
   inner_.step();
+  average_when_due();
+}
+
+void LocalSGD::step(amp::GradScaler& scaler) {
+  // A skipped step counts, as in DiLoCo::step(scaler).
+  scaler.step(inner_);
+  average_when_due();
+}
+
+void LocalSGD::average_when_due() {
   if (++local_step_ % sync_every_ != 0) {
     return;
   }

@@ -11,6 +11,7 @@
 
 #include <ATen/ATen.h>
 
+#include <lockstep/grad_scaler.h>
 #include <lockstep/zero_redundancy_optimizer.h>
 
 #include "common/wording.h"
@@ -77,6 +78,7 @@ FaultTolerance::FaultTolerance(std::shared_ptr<detail::Guarded> guarded,
       "count, whose state a rejoining rank loads). Set one, or "
       "FaultToleranceOptions::trusted_network(true) on a network you trust.");
   impl.guarded->tolerate_failures();
+  impl.guarded_optimizer = std::make_unique<detail::GuardedOptimizer>(optimizer);
   impl.buffers = impl.guarded->replica_tensors(/*buffers_only=*/true);
   impl.me.replica = WorldAccess::replica(impl.base);
   impl.me.incarnation = WorldAccess::incarnation(impl.base);
@@ -149,6 +151,13 @@ void FaultTolerance::register_state(const std::string& name,
                      "twice: each name holds one piece of state.");
   }
   impl.user_states.push_back({name, std::move(save), std::move(load)});
+}
+
+void FaultTolerance::register_state(const std::string& name, amp::GradScaler& scaler) {
+  register_state(
+      name, [&scaler](torch::serialize::OutputArchive& archive) { scaler.save(archive); },
+      [&scaler](torch::serialize::InputArchive& archive) { scaler.load(archive); });
+  impl_->guarded_optimizer->add(scaler);
 }
 
 void FaultTolerance::begin_step() {

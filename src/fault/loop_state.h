@@ -18,6 +18,7 @@
 #include "fault/agreement.h"
 #include "fault/guarded.h"
 #include "fault/membership.h"
+#include "fault/scaler_registry.h"
 #include "world/liveness.h"
 
 namespace lockstep {
@@ -83,6 +84,9 @@ struct FaultTolerance::Impl {
     std::function<void(torch::serialize::InputArchive&)> load;
   };
   std::vector<UserState> user_states;
+  /// `optimizer` known to GradScaler::step as guarded, with the scalers
+  /// that travel with the state.
+  std::unique_ptr<detail::GuardedOptimizer> guarded_optimizer;
   FaultToleranceStats stats;
 
   Impl(std::shared_ptr<detail::Guarded> guarded_in,

@@ -66,7 +66,7 @@ void FlatUnit::check(const std::string& name,
 
 FlatUnit::FlatUnit(std::string name,
                    std::vector<std::pair<std::string, at::Tensor>> params,
-                   World& world)
+                   World& world, std::optional<at::ScalarType> compute)
     : name_(std::move(name)), rank_(world.rank()), ranks_(world.size()) {
   TORCH_INTERNAL_ASSERT(!params.empty());
   check(name_, params);
@@ -106,8 +106,17 @@ FlatUnit::FlatUnit(std::string name,
   }
   placeholder_ = at::empty({0}, options);
   BufferPool none(0);
-  grad_full_ = at::empty({per_rank_ * ranks_}, options);
+  if (compute && *compute != first.scalar_type()) {
+    compute_ = compute;
+    full_low_ = at::empty({per_rank_ * ranks_}, options.dtype(*compute));
+    release_memory(full_low_, none);
+    shard_low_ = at::empty({per_rank_}, options.dtype(*compute));
+    placeholder_ = at::empty({0}, options.dtype(*compute));
+  }
+  // The gradients come in the dtype the unit computes in.
+  grad_full_ = at::empty({per_rank_ * ranks_}, options.dtype(compute_.value_or(first.scalar_type())));
   release_memory(grad_full_, none);
+  had_gradient_.assign(members_.size(), 0);
   gathered_ = true;
   free(none);
 }
@@ -116,35 +125,53 @@ std::string FlatUnit::describe() const {
   return describe(name_);
 }
 
-bool FlatUnit::all_trainable() const {
+bool FlatUnit::any_trainable() const {
   for (const auto& member : members_) {
-    if (!member.param.requires_grad()) {
-      return false;
+    if (member.param.requires_grad()) {
+      return true;
     }
   }
-  return true;
+  return false;
 }
 
 bool FlatUnit::holds(const at::Tensor& tensor) const {
-  return tensor.defined() && tensor.has_storage() &&
-      tensor.storage().unsafeGetStorageImpl() == full_.storage().unsafeGetStorageImpl();
+  if (!tensor.defined() || !tensor.has_storage()) {
+    return false;
+  }
+  const auto* storage = tensor.storage().unsafeGetStorageImpl();
+  return storage == full_.storage().unsafeGetStorageImpl() ||
+      (full_low_.defined() && storage == full_low_.storage().unsafeGetStorageImpl());
 }
 
-void FlatUnit::gather(World& world, BufferPool& pool) {
-  if (gathered_) {
+void FlatUnit::gather(World& world, BufferPool& pool, bool full_precision) {
+  bool low = compute_.has_value() && !full_precision;
+  finish_gather();
+  if (gathered_ && gathered_low_ == low) {
     return;
   }
-  prefetch(world, pool);
+  free(pool); // gathered in the other precision
+  start_gather(world, pool, full_precision);
   finish_gather();
 }
 
 void FlatUnit::prefetch(World& world, BufferPool& pool) {
+  start_gather(world, pool, /*full_precision=*/false);
+}
+
+void FlatUnit::start_gather(World& world, BufferPool& pool, bool full_precision) {
   if (gathered_ || arriving_) {
     return;
   }
-  reserve_memory(full_, pool);
-  arriving_.emplace(
-      WorldAccess::all_gather_into_async(world, full_, shard_, str("gather of ", describe())));
+  bool low = compute_.has_value() && !full_precision;
+  auto& full = full_of(low);
+  reserve_memory(full, pool);
+  if (low) {
+    at::NoGradGuard no_grad;
+    shard_low_.copy_(shard_); // cast once, then gathered in half the bytes
+  }
+  arriving_.emplace(WorldAccess::all_gather_into_async(world, full, low ? shard_low_ : shard_,
+                                                       str("gather of ", describe())));
+  arriving_low_ = low;
 }
 
 void FlatUnit::finish_gather() {
@@ -154,17 +181,19 @@ void FlatUnit::finish_gather() {
   // Waited for once, whether it completes or raises.
   auto arriving = std::move(*arriving_);
   arriving_.reset();
+  gathered_low_ = arriving_low_;
+  gathered_ = true; // so that free() gives the memory back if the wait raises
   arriving.wait();
   at::NoGradGuard no_grad;
+  auto& full = full_of(gathered_low_);
   for (auto& member : members_) {
-    member.param.set_data(full_.narrow(0, member.offset, member.numel).view(member.shape));
+    member.param.set_data(full.narrow(0, member.offset, member.numel).view(member.shape));
   }
-  gathered_ = true;
 }
 
 void FlatUnit::write_back() {
-  if (!gathered_) {
-    return;
+  if (!gathered_ || gathered_low_) {
+    return; // what a load may write is in the full-precision parameters only
   }
   at::NoGradGuard no_grad;
   for (auto& member : members_) {
@@ -188,12 +217,12 @@ void FlatUnit::free(BufferPool& pool) {
   for (auto& member : members_) {
     member.param.set_data(placeholder_);
   }
-  release_memory(full_, pool);
+  release_memory(full_of(gathered_low_), pool);
   gathered_ = false;
 }
 
 void FlatUnit::attach_gradients(BufferPool& pool) {
-  if (gradients_attached_) {
+  if (gradients_attached_ || !any_trainable()) {
     return;
   }
   reserve_memory(grad_full_, pool);
@@ -231,14 +260,12 @@ void FlatUnit::reduce_gradients(World& world, at::Tensor& scratch, BufferPool& p
     flat = grad_full_;
   } else {
     if (!scratch.defined() || scratch.numel() < full_.numel() ||
-        scratch.scalar_type() != full_.scalar_type() || scratch.device() != full_.device()) {
-      scratch = at::empty({full_.numel()}, full_.options());
+        scratch.scalar_type() != grad_full_.scalar_type() || scratch.device() != full_.device()) {
+      scratch = at::empty({full_.numel()}, grad_full_.options());
     }
     flat = scratch.narrow(0, 0, full_.numel()).zero_();
   }
-  bool any_trainable = false;
   for (auto& member : members_) {
-    any_trainable = any_trainable || member.param.requires_grad();
     const auto& grad = member.param.grad();
     if (!grad.defined()) {
       continue;
@@ -254,7 +281,7 @@ void FlatUnit::reduce_gradients(World& world, at::Tensor& scratch, BufferPool& p
   }
   // The same on every rank: whether a unit holds a trainable parameter
   // depends on the model alone.
-  if (any_trainable) {
+  if (any_trainable()) {
     scatter_into_pieces(world, flat, wire);
   }
   if (gradients_attached_) {
@@ -270,11 +297,11 @@ void FlatUnit::scatter_into_pieces(World& world, const at::Tensor& flat,
   // in `wire`'s dtype on the way where one is asked for.
   auto average_into = [&](at::Tensor& out) {
     auto what = str("reduce-scatter of ", describe(), "'s gradients");
-    if (!wire || *wire == flat.scalar_type()) {
+    if ((!wire || *wire == flat.scalar_type()) && out.scalar_type() == flat.scalar_type()) {
       reduce_scatter(world, out, flat, ReduceOp::Average, what);
       return;
     }
-    auto sent = flat.to(*wire);
+    auto sent = flat.to(wire.value_or(flat.scalar_type()));
     auto received = at::empty({per_rank_}, sent.options());
     reduce_scatter(world, received, sent, ReduceOp::Average, what);
     out.copy_(received);
@@ -283,14 +310,16 @@ void FlatUnit::scatter_into_pieces(World& world, const at::Tensor& flat,
     return alias_of(slice, member.piece_offset - mine_first, member.piece.numel());
   };
   bool none_yet = true;
-  for (const auto& member : members_) {
-    none_yet = none_yet && (!member.piece.defined() || !member.piece.grad().defined());
+  for (size_t k = 0; k < members_.size(); ++k) {
+    const auto& piece = members_[k].piece;
+    had_gradient_[k] = piece.defined() && piece.grad().defined() ? 1 : 0;
+    none_yet = none_yet && had_gradient_[k] == 0;
   }
   // The first backward of a step (an optimizer that sets gradients to
   // None): the averages land in the shard's gradients themselves.
   if (none_yet) {
     if (!shard_grad_.defined()) {
-      shard_grad_ = at::empty({per_rank_}, flat.options());
+      shard_grad_ = at::empty({per_rank_}, shard_.options());
     }
     average_into(shard_grad_);
     for (auto& member : members_) {
@@ -300,7 +329,7 @@ void FlatUnit::scatter_into_pieces(World& world, const at::Tensor& flat,
     }
     return;
   }
-  auto mine = at::empty({per_rank_}, flat.options());
+  auto mine = at::empty({per_rank_}, shard_.options());
   average_into(mine);
   for (auto& member : members_) {
     if (!member.piece.defined() || !member.param.requires_grad()) {

@@ -41,9 +41,11 @@ class FlatUnit {
 
   /// Collective: takes rank 0's values of `params` (name, tensor), keeps
   /// this rank's shard and frees the rest. Raises ConfigError (on every
-  /// rank alike) for parameters of more than one dtype or device.
+  /// rank alike) for parameters of more than one dtype or device. With
+  /// `compute` (FsdpOptions::param_dtype), the unit is gathered in that
+  /// dtype for forward and backward, and its gradients come in it.
   FlatUnit(std::string name, std::vector<std::pair<std::string, at::Tensor>> params,
-           World& world);
+           World& world, std::optional<at::ScalarType> compute = std::nullopt);
 
   const std::string& name() const {
     return name_;
@@ -68,18 +70,18 @@ class FlatUnit {
   bool gathered() const {
     return gathered_;
   }
-  /// Whether every parameter requires grad (a frozen one may be needed in
-  /// backward after the others' gradients are in).
-  bool all_trainable() const;
+  /// Whether some parameter requires grad.
+  bool any_trainable() const;
   /// Collective: the full parameters from every rank's shard, in memory
   /// from `pool` where it holds a block of the size (completing a
-  /// prefetch where one is in flight).
-  void gather(World& world, BufferPool& pool);
+  /// prefetch where one is in flight): in the compute dtype, or with
+  /// `full_precision` in the shards' own (what checkpoints and loads see).
+  void gather(World& world, BufferPool& pool, bool full_precision = false);
   /// Collective: starts gathering and returns; gather() or free() completes
   /// it.
   void prefetch(World& world, BufferPool& pool);
   /// This rank's elements of the full parameters into its shard (values
-  /// loaded into the module while gathered).
+  /// loaded into the module while gathered in full precision).
   void write_back();
   /// Points the parameters at nothing and gives the full tensor's memory
   /// to `pool`.
@@ -97,6 +99,11 @@ class FlatUnit {
   /// size if need be). With `wire`, they travel in that dtype.
   void reduce_gradients(World& world, at::Tensor& scratch, BufferPool& pool,
                         std::optional<at::ScalarType> wire);
+  /// Per member: whether its piece held a gradient before the last
+  /// reduce_gradients (a member that no rank used gets none back).
+  const std::vector<char>& had_gradient() const {
+    return had_gradient_;
+  }
 
  private:
   std::string name_;
@@ -108,13 +115,27 @@ class FlatUnit {
   int64_t per_rank_ = 0; // S
   int rank_ = 0;
   int ranks_ = 1;
-  // Waits for a prefetch and points the parameters at what it gathered.
+  // Starts gathering into the compute dtype's full tensor, or the shards'.
+  void start_gather(World& world, BufferPool& pool, bool full_precision);
+  // Waits for a gather in flight and points the parameters at what it
+  // gathered.
   void finish_gather();
+  // The full tensor a gather in `low` precision fills.
+  at::Tensor& full_of(bool low) {
+    return low ? full_low_ : full_;
+  }
 
   bool gathered_ = false;
+  bool gathered_low_ = false; // in the compute dtype
+  bool arriving_low_ = false;
   std::optional<PendingCollective> arriving_; // a prefetch in flight
   at::Tensor full_;
   at::Tensor shard_;
+  // With a compute dtype: the full parameters and this rank's shard in it.
+  std::optional<at::ScalarType> compute_;
+  at::Tensor full_low_;
+  at::Tensor shard_low_;
+  std::vector<char> had_gradient_;
   at::Tensor placeholder_;
   // The attached gradients end to end (memory only while attached), and
   // this rank's averages of them, which the pieces' gradients view.

@@ -13,7 +13,6 @@
 
 #include <algorithm>
 #include <optional>
-#include <unordered_map>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/engine.h>
@@ -26,8 +25,11 @@
 #include <lockstep/error.h>
 #include <lockstep/sync_batch_norm.h>
 
+#include "compat/autocast.h"
 #include "fsdp/sharded_model_state.h"
 #include "fsdp/unit_registry.h"
+#include "optim/gradient_placement.h"
+#include "reducer/graph_walk.h"
 
 namespace lockstep::detail {
 
@@ -48,6 +50,10 @@ class UnitHooksOf : public UnitHooks {
                        "are not gathered. Call the wrapper (fsdp(input)), not the module's "
                        "forward.");
       state->gather(unit_);
+      if (state->in_forward) {
+        ++state->calls[unit_];
+        state->call_marked[unit_] = 0;
+      }
       if (std::find(state->forward_order.begin(), state->forward_order.end(), unit_) ==
           state->forward_order.end()) {
         state->forward_order.push_back(unit_);
@@ -59,6 +65,31 @@ class UnitHooksOf : public UnitHooks {
     if (auto state = state_.lock()) {
       state->free(unit_);
     }
+  }
+  at::Tensor mark_input(const at::Tensor& input) override {
+    auto state = state_.lock();
+    // Not in a recomputation inside backward (activation checkpointing):
+    // its inputs' gradients belong to the backward in progress.
+    if (!state || !state->in_forward || !input.defined() || !input.requires_grad() ||
+        !torch::autograd::GradMode::is_enabled()) {
+      return input;
+    }
+    if (state->call_marked[unit_] == 0) {
+      state->call_marked[unit_] = 1;
+      ++state->calls_marked[unit_];
+    }
+    // A view of its own, so that the hook sees this unit's use of the input
+    // alone: its gradient is complete once the unit's backward is over.
+    auto marked = input.view_as(input);
+    ++state->inputs_marked[unit_];
+    std::weak_ptr<ShardedModel::State> weak = state_;
+    size_t unit = unit_;
+    marked.register_hook([weak, unit](const at::Tensor& /*grad*/) {
+      if (auto held = weak.lock()) {
+        held->on_input_gradient(unit);
+      }
+    });
+    return marked;
   }
   void after_forward(const std::vector<at::Tensor>& outputs) override {
     auto state = state_.lock();
@@ -91,118 +122,11 @@ class UnitHooksOf : public UnitHooks {
   size_t unit_;
 };
 
-bool within(const std::string& module_name, const std::string& unit_name) {
-  return unit_name.empty() || module_name == unit_name ||
-      module_name.rfind(unit_name + ".", 0) == 0;
-}
-
-std::string joined(const std::string& prefix, const std::string& name) {
-  return prefix.empty() ? name : prefix + "." + name;
-}
-
 } // namespace
 
-void ShardedModel::State::shard(torch::nn::Module& module) {
-  auto wire = options.reduce_dtype();
-  LOCKSTEP_ENFORCE(!wire || at::isFloatingType(*wire), ConfigError,
-                   "FsdpOptions::reduce_dtype takes a floating dtype (Half, BFloat16, Float, "
-                   "Double), not ", *wire, ".");
-  auto modules = module.named_modules("", /*include_self=*/true);
-  std::vector<std::string> names{""};
-  std::vector<std::shared_ptr<torch::nn::Module>> declared{nullptr};
-  for (const auto& item : modules) {
-    if (!item.key().empty() && is_declared_unit(*item.value())) {
-      names.push_back(item.key());
-      declared.push_back(item.value());
-    }
-  }
-  // Each parameter to the innermost unit that holds it; a parameter that
-  // two units hold (tied weights) would be gathered by the one and
-  // reduced by the other.
-  std::vector<std::vector<std::pair<std::string, at::Tensor>>> members(names.size());
-  std::unordered_map<const c10::TensorImpl*, std::pair<size_t, std::string>> owner_of;
-  for (const auto& item : modules) {
-    size_t owner = 0;
-    for (size_t u = 1; u < names.size(); ++u) {
-      if (within(item.key(), names[u]) && names[u].size() >= names[owner].size()) {
-        owner = u;
-      }
-    }
-    for (const auto& param : item.value()->named_parameters(/*recurse=*/false)) {
-      auto name = joined(item.key(), param.key());
-      auto [found, fresh] = owner_of.emplace(param.value().unsafeGetTensorImpl(),
-                                             std::make_pair(owner, name));
-      if (!fresh) {
-        LOCKSTEP_ENFORCE(found->second.first == owner, ConfigError,
-                         "FullyShardedDataParallel: ", found->second.second, " and ", name,
-                         " are one parameter (tied weights) in two units, ",
-                         names[found->second.first].empty() ? "the root"
-                                                            : names[found->second.first],
-                         " and ", names[owner].empty() ? "the root" : names[owner],
-                         ". Tied weights must live in one unit: declare a unit that "
-                         "holds both modules, or leave both to the root.");
-        continue;
-      }
-      members[owner].emplace_back(name, param.value());
-    }
-  }
-  // Every unit is checked and claimed before any is sharded: a refusal
-  // leaves the module as it was.
-  std::optional<std::pair<std::string, at::Device>> device;
-  for (size_t u = 0; u < names.size(); ++u) {
-    if (members[u].empty()) {
-      continue;
-    }
-    FlatUnit::check(names[u], members[u]);
-    const auto& [name, first] = members[u].front();
-    if (!device) {
-      device.emplace(name, first.device());
-    }
-    // CPU and CUDA units would run their backward on two threads at once.
-    LOCKSTEP_ENFORCE(first.device() == device->second, ConfigError,
-                     "FullyShardedDataParallel: the units live on one device, and ",
-                     device->first, " is on ", device->second, " while ", name, " is on ",
-                     first.device(), ".");
-  }
-  size_t index = members[0].empty() ? 0 : 1;
-  for (size_t u = 1; u < names.size(); ++u) {
-    if (members[u].empty()) {
-      continue; // nothing to gather: the block runs as it is
-    }
-    auto unit_hooks = std::make_shared<UnitHooksOf>(weak_from_this(), index++);
-    LOCKSTEP_ENFORCE(attach_unit_hooks(*declared[u], unit_hooks), ConfigError,
-                     "FullyShardedDataParallel: unit ", names[u],
-                     " is already sharded by another FullyShardedDataParallel that "
-                     "is still alive.");
-    hooks.push_back(unit_hooks);
-    unit_modules.push_back(declared[u]);
-  }
-  for (size_t u = 0; u < names.size(); ++u) {
-    if (members[u].empty()) {
-      continue;
-    }
-    // Before the parameters are freed: autograd checks each gradient
-    // against the shape that its accumulator saw when it was made.
-    for (size_t k = 0; k < members[u].size(); ++k) {
-      if (members[u][k].second.requires_grad()) {
-        accumulators.push_back(hook_accumulator(members[u][k].second, units.size(), k));
-      }
-    }
-    unit_names.push_back(names[u]);
-    units.push_back(std::make_unique<FlatUnit>(names[u], std::move(members[u]), world));
-  }
-  for (const auto& buffer : module.named_buffers()) {
-    auto tensor = buffer.value();
-    world.broadcast(tensor, 0, str(buffer.key(), " from rank 0"));
-  }
-  for (const auto& item : modules) {
-    auto* norm = dynamic_cast<SyncBatchNormImpl*>(item.value().get());
-    if (norm != nullptr && !norm->world) {
-      norm->world = world;
-      bound_norms.push_back(item.value());
-    }
-  }
-  reset_step();
+std::shared_ptr<UnitHooks> make_unit_hooks(std::weak_ptr<ShardedModel::State> state,
+                                           size_t unit) {
+  return std::make_shared<UnitHooksOf>(std::move(state), unit);
 }
 
 std::shared_ptr<torch::autograd::Node> ShardedModel::State::hook_accumulator(
@@ -220,20 +144,47 @@ std::shared_ptr<torch::autograd::Node> ShardedModel::State::hook_accumulator(
   return accumulator;
 }
 
-void ShardedModel::State::reset_step() {
+void ShardedModel::State::rehook(size_t unit) {
+  const auto& members = units[unit]->members();
+  for (size_t k = 0; k < members.size(); ++k) {
+    auto& held = accumulators[unit][k];
+    if (held && torch::autograd::impl::try_get_grad_accumulator(members[k].param) != held) {
+      held = hook_accumulator(members[k].param, unit, k);
+    }
+  }
+}
+
+void ShardedModel::State::reset_step(bool keep_gradients) {
   arrived.clear();
   pending.clear();
+  reached.clear();
+  holds_frozen.clear();
   for (const auto& unit : units) {
-    unit->drop_gradients(pool);
+    if (!keep_gradients) {
+      unit->drop_gradients(pool);
+    }
     arrived.emplace_back(unit->members().size(), 0);
+    reached.emplace_back(unit->members().size(), 0);
     size_t trainable = 0;
     for (const auto& member : unit->members()) {
       trainable += member.param.requires_grad() ? 1 : 0;
     }
     pending.push_back(trainable);
+    holds_frozen.push_back(trainable < unit->members().size() ? 1 : 0);
+  }
+  if (used_since_sync.size() != units.size()) {
+    for (const auto& unit : units) {
+      used_since_sync.emplace_back(unit->members().size(), 0);
+    }
   }
   keep_gathered.assign(units.size(), 0);
-  unreduced = units.size();
+  calls.assign(units.size(), 0);
+  calls_marked.assign(units.size(), 0);
+  call_marked.assign(units.size(), 0);
+  inputs_marked.assign(units.size(), 0);
+  inputs_arrived.assign(units.size(), 0);
+  reduced = 0;
+  reduced_unit.assign(units.size(), 0);
   backward_open = false;
 }
 
@@ -261,13 +212,39 @@ void ShardedModel::State::on_output_gradient(size_t unit) {
   prefetch_from(unit, -1);
 }
 
+void ShardedModel::State::on_input_gradient(size_t unit) {
+  open_backward();
+  ++inputs_arrived[unit];
+  free_if_done(unit);
+}
+
+void ShardedModel::State::note_reached(
+    const std::unordered_set<const torch::autograd::Node*>& nodes) {
+  for (size_t u = 0; u < units.size(); ++u) {
+    for (size_t k = 0; k < accumulators[u].size(); ++k) {
+      const auto& accumulator = accumulators[u][k];
+      if (accumulator && nodes.count(accumulator.get()) != 0) {
+        reached[u][k] = 1;
+      }
+    }
+  }
+}
+
 void ShardedModel::State::on_gradient(size_t unit, size_t member) {
   open_backward();
   auto& seen = arrived[unit][member];
   if (seen != 0) {
     return; // a second backward through a retained graph: reduced at its end
   }
+  // Autograd accumulates a parameter's gradient before it runs what the
+  // same node sent to the unit's input, so that none comes after the
+  // input's: were one to, its gradient would be lost, and that is named.
+  LOCKSTEP_ENFORCE(reduced_unit[unit] == 0, UsageError, "FullyShardedDataParallel: the "
+                   "gradient of ", units[unit]->members()[member].name, " came after ",
+                   FlatUnit::describe(unit_names[unit]), " was reduced, its backward over. "
+                   "Please report this model.");
   seen = 1;
+  used_since_sync[unit][member] = 1;
   if (--pending[unit] == 0) {
     reduce_in_order(/*to_the_end=*/false);
   }
@@ -278,6 +255,18 @@ void ShardedModel::State::open_backward() {
     return;
   }
   backward_open = true;
+  sync_this_backward = sync_enabled;
+  // What no forward's outputs reach gets no gradient: not waited for, so
+  // that a unit with an unused parameter reduces (and frees) as soon as
+  // its used ones are in.
+  for (size_t u = 0; u < units.size(); ++u) {
+    for (size_t k = 0; k < accumulators[u].size(); ++k) {
+      if (accumulators[u][k] && reached[u][k] == 0 && arrived[u][k] == 0) {
+        arrived[u][k] = 1;
+        --pending[u];
+      }
+    }
+  }
   std::weak_ptr<State> weak = weak_from_this();
   torch::autograd::Engine::get_default_engine().queue_callback([weak] {
     if (auto state = weak.lock()) {
@@ -287,37 +276,59 @@ void ShardedModel::State::open_backward() {
 }
 
 void ShardedModel::State::reduce_in_order(bool to_the_end) {
-  while (unreduced > 0) {
-    size_t unit = unreduced - 1;
+  while (reduced < reduce_order.size()) {
+    size_t unit = reduce_order[reduced];
     // The root holds what the wrapper's forward used around the units: it
-    // stays gathered to the end of backward.
-    if (!to_the_end && (unit_names[unit].empty() || pending[unit] > 0)) {
+    // stays gathered to the end of backward. A unit is reduced once every
+    // gradient that this backward brings it is in.
+    if (!to_the_end && (unit_names[unit].empty() || pending[unit] != 0)) {
       return;
     }
-    timed("reduce-scatter", unit,
-          [&] { units[unit]->reduce_gradients(world, gradient_scratch, pool,
-                                                    options.reduce_dtype()); });
-    // A frozen parameter may still be needed by a later part of this
-    // backward: such a unit is freed at its end.
-    if (!to_the_end && units[unit]->all_trainable() && keep_gathered[unit] == 0) {
-      free(unit);
+    if (sync_this_backward) {
+      timed("reduce-scatter", unit,
+            [&] { units[unit]->reduce_gradients(world, gradient_scratch, pool,
+                                                options.reduce_dtype()); });
     }
-    --unreduced;
+    ++reduced;
+    reduced_unit[unit] = 1;
+    // A frozen parameter may still be read by a later part of this
+    // backward: such a unit is freed once its inputs' gradients are in.
+    if (!to_the_end) {
+      free_if_done(unit);
+    }
   }
 }
 
 void ShardedModel::State::finish_backward() {
   reduce_in_order(/*to_the_end=*/true);
+  if (sync_this_backward) {
+    settle_unused();
+  }
   free_all();
-  reset_step();
+  accumulating = !sync_this_backward;
+  reset_step(/*keep_gradients=*/accumulating);
 }
 
 ShardedModel::ShardedModel(torch::nn::Module& module, World world, FsdpOptions options)
     : state_(std::make_shared<State>(std::move(world), options)) {
+  LOCKSTEP_ENFORCE(!options.param_dtype() || at::isFloatingType(*options.param_dtype()),
+                   ConfigError, "FsdpOptions::param_dtype takes a floating dtype (Half, "
+                   "BFloat16, Float, Double), not ", *options.param_dtype(), ".");
+  // Before any collective, so that every rank raises the same error alone.
+  if (!module.parameters().empty() && module.parameters().front().is_cpu()) {
+    state_->cpu_work = cpu_work_of(module);
+  }
+  if (options.param_dtype()) {
+    require_cpu_work_in(state_->cpu_work, *options.param_dtype(), "FsdpOptions::param_dtype");
+  }
   state_->shard(module);
+  // An optimizer over the pieces steps shards: a GradScaler's found-inf must
+  // agree across the ranks.
+  register_pieces(this, parameters(), state_->world);
 }
 
 ShardedModel::~ShardedModel() {
+  unregister_pieces(this);
   for (const auto& module : state_->unit_modules) {
     detach_unit_hooks(*module);
   }
@@ -329,6 +340,10 @@ ShardedModel::~ShardedModel() {
 }
 
 void ShardedModel::before_forward() {
+  if (!state_->cpu_work.empty() && autocast_enabled(c10::DeviceType::CPU)) {
+    require_cpu_work_in(state_->cpu_work, autocast_dtype(c10::DeviceType::CPU),
+                        "autocast (lockstep::amp::Autocast)");
+  }
   // A backward still open here never finished (it raised): its step is
   // over, and so is the callback it queued.
   if (state_->backward_open) {
@@ -356,14 +371,48 @@ void ShardedModel::before_forward() {
     for (size_t i = 0; i < state_->last_forward_order.size(); ++i) {
       state_->place_in_last[state_->last_forward_order[i]] = i;
     }
+    if (!state_->order_agreed) {
+      state_->agree_on_order();
+    }
   }
   state_->in_forward = true;
 }
 
-void ShardedModel::forward_failed() {
+void ShardedModel::forward_failed(const std::exception_ptr& error) {
+  std::string not_gathered;
+  for (size_t unit : state_->units_not_run()) {
+    not_gathered += (not_gathered.empty() ? "" : ", ") + state_->unit_names[unit];
+  }
   state_->in_forward = false;
   state_->free_all();
-  state_->reset_step();
+  // What backward passes under FsdpNoSyncGuard accumulated stays for the
+  // reduction to come (a program may skip the batch that raised).
+  state_->reset_step(/*keep_gradients=*/state_->accumulating);
+  if (not_gathered.empty()) {
+    return;
+  }
+  try {
+    std::rethrow_exception(error);
+  } catch (const Error&) {
+    return; // lockstep's own says what happened
+  } catch (const c10::Error& raised) {
+    // ATen's errors only (a shape or size that the empty parameters
+    // broke); not running out of memory, which a program may catch to
+    // retry with a smaller batch.
+    std::string what = raised.what();
+    if (what.find("out of memory") != std::string::npos ||
+        what.find("can't allocate memory") != std::string::npos) {
+      return;
+    }
+    LOCKSTEP_ENFORCE(false, UsageError, "FullyShardedDataParallel: the forward raised while "
+                     "these units had not been gathered in it: ", not_gathered, ". If the model "
+                     "called one of them around its lockstep::Sharded holder (the block's "
+                     "->forward(x), a Sequential or an AnyModule that holds it), it computed "
+                     "on freed, empty parameters, which raises: call the holder (unit(x)). "
+                     "Otherwise the error is the model's own: ", raised.what());
+  } catch (...) {
+    return;
+  }
 }
 
 void ShardedModel::after_forward(const std::vector<at::Tensor>& outputs) {
@@ -379,6 +428,23 @@ void ShardedModel::after_forward(const std::vector<at::Tensor>& outputs) {
   if (!state_->units.empty() && state_->unit_names[0].empty()) {
     state_->hook_outputs(0, outputs);
   }
+  // One walk of the graph: which parameters this forward used, and whether
+  // a unit took part without its holder.
+  auto nodes = reachable_nodes(outputs);
+  state_->note_reached(nodes);
+  state_->refuse_bypassed_units(nodes);
+}
+
+std::optional<at::ScalarType> ShardedModel::input_dtype() const {
+  return state_->options.param_dtype();
+}
+
+void ShardedModel::set_sync_enabled(bool enabled) {
+  state_->sync_enabled = enabled;
+}
+
+bool ShardedModel::sync_enabled() const {
+  return state_->sync_enabled;
 }
 
 std::vector<at::Tensor> ShardedModel::parameters() const {
@@ -413,7 +479,7 @@ torch::OrderedDict<std::string, at::Tensor> ShardedModel::full_parameters() {
     bool was_gathered = unit.gathered();
     // Gathered afresh: what an earlier forward gathered may predate a step.
     state_->free(u);
-    state_->gather(u);
+    state_->gather_in_full_precision(u);
     for (const auto& member : unit.members()) {
       full.insert(member.name, member.param.detach().clone());
     }

@@ -6,10 +6,12 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include <lockstep/fsdp.h>
 
+#include "amp/sixteen_bit_support.h"
 #include "fsdp/buffer_pool.h"
 #include "fsdp/flat_unit.h"
 #include "timeline/recorder.h"
@@ -22,14 +24,19 @@ struct ShardedModel::State : std::enable_shared_from_this<State> {
 
   World world;
   FsdpOptions options;
+  // What 16-bit work the model does on CPU (amp/sixteen_bit_support.h).
+  std::vector<CpuWork> cpu_work;
   // Unit 0 is the root (what no declared unit holds); the others in the
   // order of the module tree. A unit without parameters has none here.
   std::vector<std::string> unit_names;
   std::vector<std::unique_ptr<FlatUnit>> units;
   std::vector<std::shared_ptr<torch::nn::Module>> unit_modules; // the declared ones sharded
   std::vector<std::shared_ptr<UnitHooks>> hooks;
-  // Held: a parameter only keeps a weak reference to its accumulator.
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
+  // Per unit and member (null for a frozen one). Held: a parameter only
+  // keeps a weak reference to its accumulator. A gather in another dtype
+  // (FsdpOptions::param_dtype) replaces a parameter's accumulator, and the
+  // new one is hooked then.
+  std::vector<std::vector<std::shared_ptr<torch::autograd::Node>>> accumulators;
   // A unit's parameters and gradients, and with prefetch the next unit's
   // parameters.
   BufferPool pool;
@@ -40,9 +47,39 @@ struct ShardedModel::State : std::enable_shared_from_this<State> {
   std::vector<std::vector<char>> arrived; // per unit, per member
   std::vector<size_t> pending;            // per unit: gradients still to come
   std::vector<char> keep_gathered;        // outputs that no hook could reach
-  size_t unreduced = 0;                   // units [0, unreduced) still to reduce
+  // Per unit and member: the accumulator was reachable from the outputs of
+  // a forward since the last backward. One that was not gets no gradient in
+  // this backward: it is not waited for (DDP's find_unused_parameters).
+  std::vector<std::vector<char>> reached;
+  // Per unit: its calls in the wrapper's forwards since the last backward,
+  // those calls with an input that requires grad, those inputs, and those
+  // whose gradient came. Once all have, and every call had one, nothing
+  // of this backward reads the unit's parameters any more (FSDP2's
+  // post-backward): a unit with frozen parameters may be freed then.
+  std::vector<size_t> calls;
+  std::vector<size_t> calls_marked;
+  std::vector<char> call_marked; // the call in progress marked an input
+  std::vector<size_t> inputs_marked;
+  std::vector<size_t> inputs_arrived;
+  std::vector<char> holds_frozen; // per unit: a member that requires no grad
+  // The order backward reduces the units in, the same on every rank: last
+  // registered first until the first forward has run, then the reverse of
+  // rank 0's forward order (agree_on_order); the root last.
+  std::vector<size_t> reduce_order;
+  bool order_agreed = false;
+  size_t reduced = 0;             // reduce_order[0, reduced) done in this backward
+  std::vector<char> reduced_unit; // per unit, the same
   bool backward_open = false;
   bool in_forward = false; // the wrapper's forward runs
+  // FsdpNoSyncGuard: whether backward reduces, and whether this one does.
+  bool sync_enabled = true;
+  bool sync_this_backward = true;
+  // The gradients of a backward under the guard await the next one's
+  // reduction: a forward that fails in between keeps them.
+  bool accumulating = false;
+  // Per unit and member: a gradient came since the last reduction (a member
+  // that no rank used gets no gradient).
+  std::vector<std::vector<char>> used_since_sync;
   // The units in the order their forwards ran, in this step and the last
   // (what prefetch follows); each unit's place in the last.
   std::vector<size_t> forward_order;
@@ -82,15 +119,53 @@ struct ShardedModel::State : std::enable_shared_from_this<State> {
   void shard(torch::nn::Module& module);
   std::shared_ptr<torch::autograd::Node> hook_accumulator(const at::Tensor& param, size_t unit,
                                                           size_t member);
-  void reset_step();
+  /// Hooks the accumulators that a gather in another dtype replaced.
+  void rehook(size_t unit);
+  /// Drops what the step held; a step whose backward accumulated without
+  /// reducing (FsdpNoSyncGuard) keeps its gradients.
+  void reset_step(bool keep_gradients = false);
+  /// Whether nothing left of this backward reads `unit`'s parameters once
+  /// its gradients are in: with every parameter trainable, at once (the
+  /// node that reads a weight computes its gradient); with one frozen, once
+  /// the gradient of every input of every call has come.
+  bool parameters_read_out(size_t unit) const {
+    return holds_frozen[unit] == 0 ||
+        (calls[unit] > 0 && calls_marked[unit] == calls[unit] &&
+         inputs_arrived[unit] >= inputs_marked[unit]);
+  }
+  /// Frees `unit` once it is reduced and nothing else reads it.
+  void free_if_done(size_t unit) {
+    if (reduced_unit[unit] != 0 && keep_gathered[unit] == 0 && parameters_read_out(unit)) {
+      free(unit);
+    }
+  }
+  /// After a forward: notes the accumulators that `nodes` (what its
+  /// outputs reach) hold.
+  void note_reached(const std::unordered_set<const torch::autograd::Node*>& nodes);
+  /// Collective, once, at the first forward that follows one that ran
+  /// units: the reduction order from rank 0's forward order.
+  void agree_on_order();
+  /// Collective, after a reducing backward: a trainable member that no
+  /// rank used since the last reduction keeps the gradient it had (none).
+  void settle_unused();
+  /// The declared units with parameters that `forward_order` lacks.
+  std::vector<size_t> units_not_run() const;
+  /// Raises UsageError, before any backward, where `outputs` were computed
+  /// from a unit's parameters that its holder did not gather (a unit held
+  /// in a container that calls the block, or called through ->forward()).
+  void refuse_bypassed_units(const std::unordered_set<const torch::autograd::Node*>& nodes) const;
   // The SyncBatchNorms declared without a world, bound to this one for as
   // long as the wrapper lives (as DistributedDataParallel binds them).
   std::vector<std::weak_ptr<torch::nn::Module>> bound_norms;
 
+  /// Gathers `unit` to compute with (in FsdpOptions::param_dtype).
   void gather(size_t unit) {
-    if (!units[unit]->gathered()) {
-      timed("gather", unit, [&] { units[unit]->gather(world, pool); });
-    }
+    timed("gather", unit, [&] { units[unit]->gather(world, pool); });
+    rehook(unit);
+  }
+  /// Gathers `unit` in its shards' own dtype, for checkpoints and loads.
+  void gather_in_full_precision(size_t unit) {
+    units[unit]->gather(world, pool, /*full_precision=*/true);
   }
   void free(size_t unit) {
     units[unit]->free(pool);
@@ -118,6 +193,7 @@ struct ShardedModel::State : std::enable_shared_from_this<State> {
   /// false where an output is not a tensor (no hook can reach it).
   bool hook_outputs(size_t unit, const std::vector<at::Tensor>& outputs);
   void on_output_gradient(size_t unit);
+  void on_input_gradient(size_t unit);
   void on_gradient(size_t unit, size_t member);
   void open_backward();
   /// Reduces the units from the last unreduced one down while their
@@ -125,5 +201,13 @@ struct ShardedModel::State : std::enable_shared_from_this<State> {
   void reduce_in_order(bool to_the_end);
   void finish_backward();
 };
+
+/// The hooks that unit `unit`'s Sharded holder calls (sharded_model.cpp).
+std::shared_ptr<UnitHooks> make_unit_hooks(std::weak_ptr<ShardedModel::State> state, size_t unit);
+
+/// Raises ConfigError where a torch::nn::Sequential among `modules` holds a
+/// declared unit: it calls the block, not the holder that gathers it.
+void refuse_units_in_sequentials(
+    const torch::OrderedDict<std::string, std::shared_ptr<torch::nn::Module>>& modules);
 
 } // namespace lockstep::detail

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <sstream>
+#include <typeinfo>
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
@@ -43,7 +44,7 @@ void ShardedModel::begin_full_parameters() {
   // Gathered afresh: what an earlier forward gathered may predate a step.
   for (size_t u = 0; u < state_->units.size(); ++u) {
     state_->free(u);
-    state_->gather(u);
+    state_->gather_in_full_precision(u);
   }
 }
 
@@ -53,6 +54,30 @@ void ShardedModel::end_full_parameters() {
     state_->free(u);
   }
 }
+
+namespace {
+
+// Each group's options from `from` to `to`: optimizers of one type with
+// their groups in one order (the checkpoint functions' contract), else a
+// UsageError on every rank alike.
+void copy_group_options(const torch::optim::Optimizer& from, torch::optim::Optimizer& to) {
+  LOCKSTEP_ENFORCE(from.param_groups().size() == to.param_groups().size(), UsageError,
+                   "FullyShardedDataParallel: the full optimizer has ",
+                   to.param_groups().size() > from.param_groups().size() ? "more" : "fewer",
+                   " parameter groups than the sharded one (", to.param_groups().size(),
+                   " against ", from.param_groups().size(), "): build both alike, the full "
+                   "one over module()->parameters() in the same groups.");
+  for (size_t g = 0; g < from.param_groups().size(); ++g) {
+    const auto& options = from.param_groups()[g].options();
+    const auto& theirs = to.param_groups()[g].options();
+    LOCKSTEP_ENFORCE(typeid(options) == typeid(theirs), UsageError,
+                     "FullyShardedDataParallel: the full and the sharded optimizer are of "
+                     "two types; build the full one of the sharded one's type.");
+    to.param_groups()[g].set_options(options.clone());
+  }
+}
+
+} // namespace
 
 void ShardedModel::consolidate_optimizer_state(const torch::optim::Optimizer& sharded,
                                                torch::optim::Optimizer& full, int to) {
@@ -109,6 +134,9 @@ void ShardedModel::consolidate_optimizer_state(const torch::optim::Optimizer& sh
                                                  shaped(member.shape, member.param)));
     }
   }
+  // The groups' options too (a decayed learning rate, say), alike on every
+  // rank: what load_optimizer_state gives back.
+  copy_group_options(sharded, full);
 }
 
 void ShardedModel::load_optimizer_state(torch::optim::Optimizer& sharded,
@@ -124,11 +152,7 @@ void ShardedModel::load_optimizer_state(torch::optim::Optimizer& sharded,
                             member.piece_offset - member.offset, member.piece.numel()));
     }
   }
-  if (sharded.param_groups().size() == full.param_groups().size()) {
-    for (size_t g = 0; g < full.param_groups().size(); ++g) {
-      sharded.param_groups()[g].set_options(full.param_groups()[g].options().clone());
-    }
-  }
+  copy_group_options(full, sharded);
 }
 
 void ShardedModel::check_replicas(torch::nn::Module& module, ReplicaCheck what) {

@@ -107,12 +107,19 @@ class SyncBatchNormBackward : public torch::autograd::Node {
   variable_list apply(variable_list&& grads) override {
     at::NoGradGuard no_grad;
     int64_t channels = input_.size(1);
-    auto dy = grads[0].defined() ? grads[0].contiguous() : at::zeros_like(input_);
-    at::Tensor dy_xhat = at::zeros({channels}, input_.options());
-    at::Tensor sum_dy = at::zeros({channels}, input_.options());
-    if (input_.numel() > 0) { // the kernel divides by the batch's size
+    // In the statistics' dtype: the weight's where the input is 16-bit and
+    // the weight kept in full precision (DDP's mixed-precision policy).
+    // ATen's backward kernel has no mixed-type path (1.13 and 2.6 assert),
+    // so a 16-bit input and its gradient are widened for this node only,
+    // and the input's gradient is narrowed back to the input's dtype.
+    auto dtype = mean_.scalar_type();
+    auto input = input_.to(dtype);
+    auto dy = grads[0].defined() ? grads[0].contiguous().to(dtype) : at::zeros_like(input);
+    at::Tensor dy_xhat = at::zeros({channels}, mean_.options());
+    at::Tensor sum_dy = at::zeros({channels}, mean_.options());
+    if (input.numel() > 0) { // the kernel divides by the batch's size
       std::tie(std::ignore, dy_xhat, sum_dy) = at::native_batch_norm_backward(
-          dy, input_, weight_, c10::nullopt, c10::nullopt, mean_, invstd_, /*train=*/true, eps_,
+          dy, input, weight_, c10::nullopt, c10::nullopt, mean_, invstd_, /*train=*/true, eps_,
           {false, true, true});
     }
     // Every rank runs this all-reduce, whatever it needs: the ranks' graphs
@@ -124,13 +131,13 @@ class SyncBatchNormBackward : public torch::autograd::Node {
         .wait();
     variable_list out(3);
     if (should_compute_output(0)) {
-      auto dtype = input_.scalar_type();
       auto mean_dy = (sums.narrow(0, 0, channels) / count_).to(dtype);
       auto mean_dy_xmu = (sums.narrow(0, channels, channels) / count_).to(dtype);
       auto scale = weight_.defined() ? invstd_ * weight_ : invstd_;
-      auto dx = at::batch_norm(input_, -scale * invstd_ * mean_dy_xmu, -scale * mean_dy, mean_,
+      auto dx = at::batch_norm(input, -scale * invstd_ * mean_dy_xmu, -scale * mean_dy, mean_,
                                var_, /*training=*/false, 0.0, eps_, /*cudnn_enabled=*/false);
-      out[0] = dx.addcmul_(dy, scale.view(channel_shape(input_.dim(), channels)));
+      out[0] = dx.addcmul_(dy, scale.view(channel_shape(input.dim(), channels)))
+                   .to(input_.scalar_type());
     }
     if (should_compute_output(1)) {
       out[1] = dy_xhat;
@@ -295,7 +302,10 @@ torch::Tensor SyncBatchNormImpl::forward(const torch::Tensor& input) {
       running_var.copy_(running_var + (unbiased - running_var) * factor);
     }
   }
-  auto dtype = input.scalar_type();
+  // The statistics in the weight's dtype: a 16-bit input with float32
+  // weights (BatchNorm kept in full precision under DDP's mixed-precision
+  // policy) takes ATen's mixed-type kernels, which return 16 bits.
+  auto dtype = weight.defined() ? weight.scalar_type() : input.scalar_type();
   auto mean = global.mean.to(dtype);
   auto var = global.var.to(dtype);
   auto invstd = (global.var + options.eps()).rsqrt().to(dtype);

@@ -7,15 +7,28 @@
 // reduce_dtype through the 16-bit hooks' cast, and the optimizer steps the
 // masters.
 
+#include <unordered_set>
+
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
 #include <torch/csrc/autograd/grad_mode.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/batchnorm.h>
+
+#include <lockstep/sync_batch_norm.h>
 
 #include "hooks/compress_hooks.h"
 #include "reducer/reducer_state.h"
 
 namespace lockstep::detail {
 namespace {
+
+bool is_batch_norm(const torch::nn::Module& module) {
+  return dynamic_cast<const torch::nn::BatchNorm1dImpl*>(&module) != nullptr ||
+         dynamic_cast<const torch::nn::BatchNorm2dImpl*>(&module) != nullptr ||
+         dynamic_cast<const torch::nn::BatchNorm3dImpl*>(&module) != nullptr ||
+         dynamic_cast<const SyncBatchNormImpl*>(&module) != nullptr;
+}
 
 bool is_floating(at::ScalarType dtype) {
   return dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat ||
@@ -32,12 +45,38 @@ void check_mixed_precision(const MixedPrecision& policy) {
   }
 }
 
-void Reducer::State::set_up_mixed_precision(const MixedPrecision& policy) {
+void Reducer::State::set_up_mixed_precision(const MixedPrecision& policy,
+                                            torch::nn::Module& module) {
   MixedPrecisionCopies copies;
   copies.compute = policy.param_dtype();
   at::ScalarType reduce = policy.reduce_dtype().value_or(policy.param_dtype());
+  // What BatchNorm holds stays as it is (batch_norm_in_full_precision).
+  std::unordered_set<const c10::TensorImpl*> kept;
+  for (const auto& item : module.named_modules("", /*include_self=*/true)) {
+    const auto& norm = *item.value();
+    if (!is_batch_norm(norm)) {
+      continue;
+    }
+    if (policy.batch_norm_in_full_precision()) {
+      for (const auto& tensor : norm.parameters(/*recurse=*/false)) {
+        kept.insert(tensor.unsafeGetTensorImpl());
+      }
+      for (const auto& tensor : norm.buffers(/*recurse=*/false)) {
+        kept.insert(tensor.unsafeGetTensorImpl());
+      }
+      continue;
+    }
+    // ATen's BatchNorm takes statistics of its weight's dtype.
+    bool synchronised = dynamic_cast<const SyncBatchNormImpl*>(&norm) != nullptr;
+    LOCKSTEP_ENFORCE(synchronised || policy.buffer_dtype() == policy.param_dtype(), ConfigError,
+                     "MixedPrecision::batch_norm_in_full_precision(false) computes '",
+                     item.key(), "' (a BatchNorm) in ", policy.param_dtype(), ", whose running "
+                     "statistics must then be ", policy.param_dtype(), " too: set buffer_dtype(",
+                     policy.param_dtype(), "), or keep BatchNorm in full precision (the "
+                     "default).");
+  }
   for (const auto& entry : all_params) {
-    if (!entry.tensor.is_floating_point()) {
+    if (!entry.tensor.is_floating_point() || kept.count(entry.tensor.unsafeGetTensorImpl())) {
       continue;
     }
     LOCKSTEP_ENFORCE(!entry.tensor.requires_grad() || entry.tensor.scalar_type() == at::kFloat ||
@@ -59,7 +98,7 @@ void Reducer::State::set_up_mixed_precision(const MixedPrecision& policy) {
   if (policy.buffer_dtype()) {
     at::NoGradGuard no_grad;
     for (auto& buffer : buffers) {
-      if (buffer.is_floating_point()) {
+      if (buffer.is_floating_point() && !kept.count(buffer.unsafeGetTensorImpl())) {
         buffer.set_data(buffer.to(*policy.buffer_dtype()));
       }
     }

@@ -113,7 +113,7 @@ Reducer::Reducer(torch::nn::Module& module, World world, DdpOptions options)
   }
   state.find_buffers_in_step(module);
   if (options.mixed_precision()) {
-    state.set_up_mixed_precision(*options.mixed_precision());
+    state.set_up_mixed_precision(*options.mixed_precision(), module);
   }
 
   state.used_since_sync.assign(state.params.size(), 0);

@@ -258,7 +258,7 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   /// Reducer::step_in_backward, once the step is known.
   void set_step_in_backward(ParameterStep step, const StepInBackwardOptions& options);
   /// Checks and sets up the mixed-precision policy (casts the buffers).
-  void set_up_mixed_precision(const MixedPrecision& policy);
+  void set_up_mixed_precision(const MixedPrecision& policy, torch::nn::Module& module);
   /// Before a forward: the parameters take their 16-bit copies, cast from
   /// the masters.
   void compute_in_copies();

@@ -154,9 +154,7 @@ int train(int argc, char** argv) {
   // unscaling leave every float64 gradient exact (the reference does
   // without).
   lockstep::amp::GradScaler scaler(lockstep::amp::GradScalerOptions().growth_interval(20));
-  ft.register_state(
-      "scaler", [&](torch::serialize::OutputArchive& archive) { scaler.save(archive); },
-      [&](torch::serialize::InputArchive& archive) { scaler.load(archive); });
+  ft.register_state("scaler", scaler);
   model->fc1->weight.register_hook([&](torch::Tensor grad) {
     maybe_die("backward");
     return grad;

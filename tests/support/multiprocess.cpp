@@ -267,6 +267,12 @@ void run_ranks_with(const LaunchOptions& options, const std::function<void(int r
   auto result = launch_ranks(options, body);
   if (!result.ok()) {
     ADD_FAILURE() << "not every rank succeeded: " << result.report();
+  } else if (std::getenv("LOCKSTEP_TEST_SHOW_RANKS") != nullptr && !in_rank_process()) {
+    // By hand, to read what passing ranks printed (the composition table's
+    // cells, say).
+    for (const auto& rank : result.ranks) {
+      std::cout << "---- output of rank " << rank.rank << " ----\n" << rank.output << "\n";
+    }
   }
 }
 
