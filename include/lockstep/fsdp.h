@@ -100,7 +100,7 @@ class UnitHooks {
   /// An input of the unit's forward as the unit receives it: one that
   /// requires grad comes back as a view whose gradient tells the wrapper
   /// that the unit's backward is over (FSDP2's post-backward), so that a
-  /// unit with frozen or unused parameters is freed and reduced then.
+  /// unit with frozen parameters, which later nodes may read, is freed then.
   virtual at::Tensor mark_input(const at::Tensor& input) = 0;
 };
 
