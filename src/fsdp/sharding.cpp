@@ -11,7 +11,6 @@
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
-#include <torch/nn/modules/batchnorm.h>
 
 #include <lockstep/error.h>
 #include <lockstep/sync_batch_norm.h>
@@ -32,11 +31,10 @@ std::string joined(const std::string& prefix, const std::string& name) {
   return prefix.empty() ? name : prefix + "." + name;
 }
 
-bool is_batch_norm(const torch::nn::Module& module) {
-  return dynamic_cast<const torch::nn::BatchNorm1dImpl*>(&module) != nullptr ||
-         dynamic_cast<const torch::nn::BatchNorm2dImpl*>(&module) != nullptr ||
-         dynamic_cast<const torch::nn::BatchNorm3dImpl*>(&module) != nullptr ||
-         dynamic_cast<const SyncBatchNormImpl*>(&module) != nullptr;
+// A BatchNorm of torch::nn's (lockstep::is_batch_norm) or a SyncBatchNorm.
+bool is_any_batch_norm(const torch::nn::Module& module) {
+  return lockstep::is_batch_norm(module) ||
+      dynamic_cast<const SyncBatchNormImpl*>(&module) != nullptr;
 }
 
 // What each unit computes in under FsdpOptions::param_dtype: that dtype,
@@ -54,7 +52,7 @@ std::vector<std::optional<at::ScalarType>> compute_dtypes(
   }
   std::unordered_map<const c10::TensorImpl*, std::string> norm_of;
   for (const auto& item : modules) {
-    if (is_batch_norm(*item.value())) {
+    if (is_any_batch_norm(*item.value())) {
       for (const auto& param : item.value()->parameters(/*recurse=*/false)) {
         norm_of.emplace(param.unsafeGetTensorImpl(), item.key());
       }

@@ -13,7 +13,6 @@
 #include <c10/core/InferenceMode.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/nn/module.h>
-#include <torch/nn/modules/batchnorm.h>
 
 #include <lockstep/sync_batch_norm.h>
 
@@ -23,11 +22,10 @@
 namespace lockstep::detail {
 namespace {
 
-bool is_batch_norm(const torch::nn::Module& module) {
-  return dynamic_cast<const torch::nn::BatchNorm1dImpl*>(&module) != nullptr ||
-         dynamic_cast<const torch::nn::BatchNorm2dImpl*>(&module) != nullptr ||
-         dynamic_cast<const torch::nn::BatchNorm3dImpl*>(&module) != nullptr ||
-         dynamic_cast<const SyncBatchNormImpl*>(&module) != nullptr;
+// A BatchNorm of torch::nn's (lockstep::is_batch_norm) or a SyncBatchNorm.
+bool is_any_batch_norm(const torch::nn::Module& module) {
+  return lockstep::is_batch_norm(module) ||
+      dynamic_cast<const SyncBatchNormImpl*>(&module) != nullptr;
 }
 
 bool is_floating(at::ScalarType dtype) {
@@ -54,7 +52,7 @@ void Reducer::State::set_up_mixed_precision(const MixedPrecision& policy,
   std::unordered_set<const c10::TensorImpl*> kept;
   for (const auto& item : module.named_modules("", /*include_self=*/true)) {
     const auto& norm = *item.value();
-    if (!is_batch_norm(norm)) {
+    if (!is_any_batch_norm(norm)) {
       continue;
     }
     if (policy.batch_norm_in_full_precision()) {
