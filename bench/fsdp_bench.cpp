@@ -4,9 +4,12 @@
 // with and without resharding after forward. Adam, one intra-op thread per
 // rank. Rank 0 prints one CSV line:
 //
-//   mode,ms_per_step,peak_train_mib,peak_build_mib,state_mib_per_rank
+//   mode,ms_per_step,peak_train_mib,peak_build_mib,state_mib_per_rank,
+//       baseline_mib,after_build_mib,ms_fastest,ms_slowest
 //
-// ms_per_step: the median over ITERATIONS timed steps of the slowest rank.
+// ms_per_step: the median over ITERATIONS timed steps of the slowest rank;
+// ms_fastest and ms_slowest the spread of those steps. baseline_mib: the
+// resident set before the model was built; after_build_mib: once wrapped.
 // peak_train_mib: the largest resident set over ranks while training,
 // counted from after the model was built and wrapped (the kernel's peak is
 // reset there, /proc/self/clear_refs): every rank builds the whole model
@@ -14,7 +17,7 @@
 // that peak is peak_build_mib. state_mib_per_rank: parameters, gradients
 // and Adam's two moments that one rank holds, by the mode's own account.
 //
-//   fsdp_bench MODE [ITERATIONS=3] [WIDTH=1024] [DEPTH=18] [BATCH=16]
+//   fsdp_bench MODE [ITERATIONS=10] [WIDTH=1024] [DEPTH=18] [BATCH=16]
 //   MODE: ddp | zero1 | zero2 | fsdp | fsdp_kept | fsdp_prefetch | fsdp_frozen |
 //         fsdp_unused
 //
@@ -170,7 +173,7 @@ int time_checkpoints(World& world, FullyShardedDataParallel<Stack>& fsdp, Stack&
 int train(int argc, char** argv) {
   torch::set_num_threads(1);
   std::string mode = argc > 1 ? argv[1] : "fsdp";
-  int iterations = static_cast<int>(arg(argc, argv, 2, 3));
+  int iterations = static_cast<int>(arg(argc, argv, 2, 10));
   int64_t width = arg(argc, argv, 3, 1024);
   int64_t depth = arg(argc, argv, 4, 18);
   int64_t batch = arg(argc, argv, 5, 16);
@@ -256,12 +259,15 @@ int train(int argc, char** argv) {
   if (mode == "checkpoint") {
     return time_checkpoints(world, *fsdp, model, *optimizer);
   }
-  std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
+  // Every step ends at a barrier: each rank's times are the slowest's.
+  std::sort(times.begin(), times.end());
   double step_ms = largest(world, times[times.size() / 2]);
+  double fastest_ms = largest(world, times.front());
+  double slowest_ms = largest(world, times.back());
   double train_peak = largest(world, status_mib("VmHWM"));
   if (world.rank() == 0) {
-    std::printf("%s,%.0f,%.0f,%.0f,%.0f,%.0f,%.0f\n", mode.c_str(), step_ms, train_peak,
-                build_peak, state, baseline, after_build);
+    std::printf("%s,%.0f,%.0f,%.0f,%.0f,%.0f,%.0f,%.0f,%.0f\n", mode.c_str(), step_ms,
+                train_peak, build_peak, state, baseline, after_build, fastest_ms, slowest_ms);
     std::fflush(stdout);
   }
   return 0;

@@ -1,9 +1,10 @@
 """PyTorch's peer of bench/fsdp_bench.cpp: the same model, Adam and
 measurements, with torch.distributed on Gloo. Rank 0 prints one CSV line:
 
-  mode,ms_per_step,peak_train_mib,peak_build_mib,state_mib_per_rank,baseline_mib,after_build_mib
+  mode,ms_per_step,peak_train_mib,peak_build_mib,state_mib_per_rank,baseline_mib,after_build_mib,
+      ms_fastest,ms_slowest
 
-  fsdp_torch.py MODE [ITERATIONS=3] [WIDTH=1024] [DEPTH=18] [BATCH=16]
+  fsdp_torch.py MODE [ITERATIONS=10] [WIDTH=1024] [DEPTH=18] [BATCH=16]
   MODE: ddp | fsdp (FullyShardedDataParallel, FULL_SHARD, each block a unit)
         | fsdp_kept (SHARD_GRAD_OP: parameters kept from forward to backward)
         | fsdp2 (fully_shard on each block and the root)
@@ -80,7 +81,7 @@ def wrap(mode, model, ranks):
 
 def main():
     mode = sys.argv[1] if len(sys.argv) > 1 else "fsdp"
-    iterations = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+    iterations = int(sys.argv[2]) if len(sys.argv) > 2 else 10
     width = int(sys.argv[3]) if len(sys.argv) > 3 else 1024
     depth = int(sys.argv[4]) if len(sys.argv) > 4 else 18
     batch = int(sys.argv[5]) if len(sys.argv) > 5 else 16
@@ -117,11 +118,12 @@ def main():
                   flush=True)
         os._exit(0)
     step_ms = largest(statistics.median(times))
+    fastest_ms, slowest_ms = largest(min(times)), largest(max(times))
     train_peak = largest(status_mib("VmHWM"))
     state = state_factor * parameters * 4 / (1 << 20)
     if rank == 0:
         print(f"{mode},{step_ms:.0f},{train_peak:.0f},{build_peak:.0f},{state:.0f},"
-              f"{baseline:.0f},{after_build:.0f}", flush=True)
+              f"{baseline:.0f},{after_build:.0f},{fastest_ms:.0f},{slowest_ms:.0f}", flush=True)
     dist.destroy_process_group()
 
 

@@ -51,21 +51,39 @@ struct PairImpl : torch::nn::Module {
 };
 TORCH_MODULE(Pair);
 
-// Three units and a head in the root. `odd` names the block that is frozen
-// in part or holds an unused layer; `reversed` runs the blocks last first.
-// During backward, the hook on each block's output records which blocks
-// are then gathered: the gradient of a block's output comes once the block
-// that consumed it has finished its backward, which must have freed it.
+// Three units, and a head and a side branch in the root. `odd` names the
+// block that is frozen in part or holds an unused layer; `reversed` runs the
+// blocks last first; with `frozen_first`, the block that runs first is
+// frozen whole, so that the frozen block after it gets an input that
+// requires no grad. During backward, the hook on each block's output
+// records which blocks are then gathered: the gradient of a block's output
+// comes once the block that consumed it has finished its backward, which
+// must have freed it. The side branch, computed before the blocks, runs its
+// backward after theirs: its hook records every block.
 struct StackImpl : torch::nn::Module {
-  StackImpl(bool frozen, bool unused, bool reversed) : reversed(reversed) {
+  StackImpl(bool frozen, bool unused, bool reversed, bool frozen_first = false)
+      : reversed(reversed) {
     for (int i = 0; i < 3; ++i) {
       bool odd = i == 1;
+      bool first = i == (reversed ? 2 : 0);
       blocks.push_back(register_module("block" + std::to_string(i),
                                        Sharded<Pair>(odd && frozen, odd && unused)));
+      if (first && frozen_first) {
+        for (auto& param : blocks.back()->parameters()) {
+          param.set_requires_grad(false);
+        }
+      }
     }
     head = register_module("head", torch::nn::Linear(kPairWidth, 3));
+    side = register_module("side", torch::nn::Linear(kPairWidth, 3));
   }
   torch::Tensor forward(torch::Tensor x) {
+    auto beside = side(x);
+    beside.register_hook([this](const torch::Tensor&) {
+      for (size_t block = 0; block < blocks.size(); ++block) {
+        freed_after_backward_of.push_back({block, blocks[block]->second->weight.numel() == 0});
+      }
+    });
     std::vector<size_t> order{0, 1, 2};
     if (reversed) {
       order = {2, 1, 0};
@@ -80,20 +98,21 @@ struct StackImpl : torch::nn::Module {
         });
       }
     }
-    return head(x);
+    return head(x) + beside;
   }
   bool reversed;
   std::vector<Sharded<Pair>> blocks;
   torch::nn::Linear head{nullptr};
+  torch::nn::Linear side{nullptr};
   // (block, whether it was freed) when its backward had sent its input's
   // gradient on.
   std::vector<std::pair<size_t, bool>> freed_after_backward_of;
 };
 TORCH_MODULE(Stack);
 
-Stack float64_stack(bool frozen, bool unused, bool reversed) {
+Stack float64_stack(bool frozen, bool unused, bool reversed, bool frozen_first = false) {
   torch::manual_seed(3);
-  Stack stack(frozen, unused, reversed);
+  Stack stack(frozen, unused, reversed, frozen_first);
   stack->to(torch::kDouble);
   return stack;
 }
@@ -108,10 +127,26 @@ std::vector<torch::Tensor> trainable(const std::vector<torch::Tensor>& params) {
   return kept;
 }
 
+// Step `step` of `reference` (a module holder) on the whole batch: float64,
+// 3 targets. Returns this rank's share of that batch, `per_rank` samples.
+template <typename Reference>
+std::pair<torch::Tensor, torch::Tensor> step_reference_and_share(
+    Reference& reference, torch::optim::Optimizer& optimizer, int64_t step, int64_t per_rank,
+    int ranks, int rank) {
+  auto [x, y] = global_batch(step, per_rank * ranks, {kPairWidth});
+  x = x.to(torch::kDouble);
+  y = y.narrow(1, 0, 3).to(torch::kDouble);
+  optimizer.zero_grad();
+  torch::mse_loss(reference(x), y).backward();
+  optimizer.step();
+  return {x.narrow(0, rank * per_rank, per_rank), y.narrow(0, rank * per_rank, per_rank)};
+}
+
 struct StackCase {
   bool frozen = false;
   bool unused = false;
   bool reversed = false;
+  bool frozen_first = false;
   std::string name;
 };
 void PrintTo(const StackCase& c, std::ostream* out) {
@@ -129,27 +164,22 @@ TEST_P(FsdpUnits, AreFreedAfterTheirBackwardAndTrainAsOneProcess) {
   auto [setup, c] = GetParam();
   run_ranks(setup, [&, setup = setup, c = c](int rank) {
     World world = init();
-    auto reference = float64_stack(c.frozen, c.unused, c.reversed);
-    auto model = float64_stack(c.frozen, c.unused, c.reversed);
+    auto reference = float64_stack(c.frozen, c.unused, c.reversed, c.frozen_first);
+    auto model = float64_stack(c.frozen, c.unused, c.reversed, c.frozen_first);
     FullyShardedDataParallel<Stack> fsdp(model, world);
     torch::optim::Adam reference_optimizer(trainable(reference->parameters()),
                                            torch::optim::AdamOptions(0.01));
     torch::optim::Adam optimizer(trainable(fsdp.parameters()), torch::optim::AdamOptions(0.01));
-    int64_t per_rank = 2;
     for (int64_t step = 0; step < 4; ++step) {
-      auto [x, y] = global_batch(step, per_rank * setup.size, {kPairWidth});
-      x = x.to(torch::kDouble);
-      y = y.narrow(1, 0, 3).to(torch::kDouble);
-      reference_optimizer.zero_grad();
-      torch::mse_loss(reference(x), y).backward();
-      reference_optimizer.step();
+      auto [x, y] = step_reference_and_share(reference, reference_optimizer, step,
+                                             /*per_rank=*/2, setup.size, rank);
       optimizer.zero_grad();
       model->freed_after_backward_of.clear();
-      torch::mse_loss(fsdp(x.narrow(0, rank * per_rank, per_rank)),
-                      y.narrow(0, rank * per_rank, per_rank))
-          .backward();
+      torch::mse_loss(fsdp(x), y).backward();
       if (step > 0 || !c.reversed) {
-        ASSERT_EQ(model->freed_after_backward_of.size(), 2u);
+        // Two blocks' outputs feed a block, unless the first is frozen
+        // whole; then the side branch's hook sees all three.
+        ASSERT_EQ(model->freed_after_backward_of.size(), (c.frozen_first ? 1u : 2u) + 3u);
         for (const auto& [block, freed] : model->freed_after_backward_of) {
           EXPECT_TRUE(freed) << "block" << block << " still gathered after its backward, step "
                              << step;
@@ -172,13 +202,199 @@ TEST_P(FsdpUnits, AreFreedAfterTheirBackwardAndTrainAsOneProcess) {
 INSTANTIATE_TEST_SUITE_P(
     Cases, FsdpUnits,
     ::testing::Combine(::testing::ValuesIn(two_and_three_rank_setups()),
-                       ::testing::Values(StackCase{true, false, false, "frozen"},
-                                         StackCase{false, true, false, "unused"},
-                                         StackCase{false, false, true, "reversed"},
-                                         StackCase{true, true, true, "all"})),
+                       ::testing::Values(StackCase{true, false, false, false, "frozen"},
+                                         StackCase{false, true, false, false, "unused"},
+                                         StackCase{false, false, true, false, "reversed"},
+                                         StackCase{true, true, true, false, "all"},
+                                         StackCase{true, false, false, true, "fed_by_frozen"},
+                                         StackCase{true, true, true, true, "all_fed_by_frozen"})),
     [](const auto& info) {
       return std::get<0>(info.param).name() + "_" + std::get<1>(info.param).name;
     });
+
+// Ways a unit with a frozen layer is read after its trainable gradients
+// are in, where no hook on its tensor arguments sees it: the frozen layer
+// reads a tensor handed in a struct, or one the unit holds (set before the
+// call), computed from the root's trainable layer, or the root's parameter
+// itself; or a checkpoint recomputes the unit inside backward. The frozen
+// layer ran first, so its backward comes after the trainable layer's
+// gradient: a unit freed then would compute on freed memory. Each stays
+// gathered to the end of backward, and trains as one process. So does a
+// unit called without autograd and never recomputed (its parameters get no
+// gradient, as in one process).
+struct TwoInputs {
+  torch::Tensor through_frozen;
+  torch::Tensor through_trainable;
+};
+struct TwoPathsImpl : torch::nn::Module {
+  TwoPathsImpl()
+      : frozen(register_module("frozen", torch::nn::Linear(kPairWidth, kPairWidth))),
+        trainable(register_module("trainable", torch::nn::Linear(kPairWidth, kPairWidth))) {
+    for (auto& param : frozen->parameters()) {
+      param.set_requires_grad(false);
+    }
+  }
+  torch::Tensor forward(const TwoInputs& inputs) {
+    // In this order (the operands of + could run in either): the frozen
+    // layer's node is made first, so the backward runs it last.
+    auto through_frozen = frozen(inputs.through_frozen);
+    auto through_trainable = trainable(inputs.through_trainable);
+    return through_frozen + through_trainable;
+  }
+  torch::nn::Linear frozen, trainable;
+};
+TORCH_MODULE(TwoPaths);
+
+// Reads `held` (set by the caller) through the frozen layer.
+struct HeldInputImpl : torch::nn::Module {
+  HeldInputImpl() : paths(register_module("paths", TwoPaths())) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    return paths(TwoInputs{held, x});
+  }
+  TwoPaths paths;
+  torch::Tensor held;
+};
+TORCH_MODULE(HeldInput);
+
+// Activation checkpointing by hand: the unit runs without autograd in
+// forward and again inside backward. (On one process each rank's own.)
+Sharded<Pair> recomputed_unit{nullptr};
+struct Recompute : torch::autograd::Function<Recompute> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* context, torch::Tensor x) {
+    context->save_for_backward({x});
+    return recomputed_unit(x);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* context,
+                                                 torch::autograd::variable_list grads) {
+    auto x = context->get_saved_variables()[0].detach().requires_grad_(true);
+    torch::AutoGradMode with_grad(true);
+    torch::autograd::backward({recomputed_unit(x)}, {grads[0]});
+    return {x.grad()};
+  }
+};
+
+enum class LateRead { StructInput, HeldTensor, HeldParameter, Recomputed, WithoutAutograd };
+
+struct ReadLateModelImpl : torch::nn::Module {
+  explicit ReadLateModelImpl(LateRead way)
+      : way(way),
+        before(register_module("before", torch::nn::Linear(kPairWidth, kPairWidth))),
+        head(register_module("head", torch::nn::Linear(kPairWidth, 3))),
+        scale(register_parameter("scale", torch::randn({1, kPairWidth}))) {
+    if (way == LateRead::StructInput) {
+      paths = register_module("paths", Sharded<TwoPaths>());
+    } else if (way == LateRead::HeldTensor || way == LateRead::HeldParameter) {
+      held = register_module("held", Sharded<HeldInput>());
+    } else {
+      pair = register_module("pair", Sharded<Pair>(/*frozen=*/true, /*unused=*/false));
+    }
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    switch (way) {
+      case LateRead::StructInput:
+        return head(paths(TwoInputs{before(x), x}));
+      case LateRead::HeldTensor:
+        held->held = before(x);
+        return head(held(x));
+      case LateRead::HeldParameter:
+        held->held = scale;
+        return head(held(before(x)));
+      case LateRead::Recomputed:
+        recomputed_unit = pair;
+        return head(Recompute::apply(before(x)));
+      case LateRead::WithoutAutograd: {
+        torch::Tensor constant;
+        {
+          torch::NoGradGuard no_grad;
+          constant = pair(x);
+        }
+        return head(before(x) + constant);
+      }
+    }
+    return {};
+  }
+  LateRead way;
+  torch::nn::Linear before;
+  Sharded<TwoPaths> paths{nullptr};
+  Sharded<HeldInput> held{nullptr};
+  Sharded<Pair> pair{nullptr};
+  torch::nn::Linear head;
+  torch::Tensor scale;
+};
+TORCH_MODULE(ReadLateModel);
+
+class FsdpUnitsReadLate : public ::testing::TestWithParam<LateRead> {};
+
+TEST_P(FsdpUnitsReadLate, StayGatheredToTheEndOfBackwardAndTrainAsOneProcess) {
+  LateRead way = GetParam();
+  run_ranks(2, [way](int rank) {
+    World world = init();
+    torch::manual_seed(5);
+    ReadLateModel reference(way);
+    reference->to(torch::kDouble);
+    torch::manual_seed(5);
+    ReadLateModel model(way);
+    model->to(torch::kDouble);
+    FullyShardedDataParallel<ReadLateModel> fsdp(model, world);
+    torch::optim::SGD reference_optimizer(trainable(reference->parameters()),
+                                          torch::optim::SGDOptions(0.1));
+    torch::optim::SGD optimizer(trainable(fsdp.parameters()), torch::optim::SGDOptions(0.1));
+    for (int64_t step = 0; step < 3; ++step) {
+      auto [x, y] = step_reference_and_share(reference, reference_optimizer, step,
+                                             /*per_rank=*/2, /*ranks=*/2, rank);
+      optimizer.zero_grad();
+      torch::mse_loss(fsdp(x), y).backward();
+      optimizer.step();
+      expect_close_parameters(fsdp.full_parameters(), *reference, "step " + std::to_string(step));
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Ways, FsdpUnitsReadLate,
+                         ::testing::Values(LateRead::StructInput, LateRead::HeldTensor,
+                                           LateRead::HeldParameter, LateRead::Recomputed,
+                                           LateRead::WithoutAutograd),
+                         [](const auto& info) {
+                           switch (info.param) {
+                             case LateRead::StructInput: return std::string("struct_input");
+                             case LateRead::HeldTensor: return std::string("held_tensor");
+                             case LateRead::HeldParameter: return std::string("held_parameter");
+                             case LateRead::Recomputed: return std::string("recomputed");
+                             case LateRead::WithoutAutograd: return std::string("without_autograd");
+                           }
+                           return std::string();
+                         });
+
+// A unit recomputed twice in one backward brings its gradients a second
+// time after its reduction: named on every rank, not lost.
+struct TwiceRecomputedImpl : torch::nn::Module {
+  TwiceRecomputedImpl()
+      : pair(register_module("pair", Sharded<Pair>(/*frozen=*/false, /*unused=*/false))),
+        head(register_module("head", torch::nn::Linear(kPairWidth, 3))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    recomputed_unit = pair;
+    return head(Recompute::apply(Recompute::apply(x.clone().requires_grad_(true))));
+  }
+  Sharded<Pair> pair;
+  torch::nn::Linear head;
+};
+TORCH_MODULE(TwiceRecomputed);
+
+TEST(FsdpUnits, RecomputedTwiceInOneBackwardAreRefusedByName) {
+  run_ranks(2, [](int rank) {
+    World world = init();
+    torch::manual_seed(5);
+    TwiceRecomputed model;
+    FullyShardedDataParallel<TwiceRecomputed> fsdp(model, world);
+    auto [x, y] = global_batch(0, 4, {kPairWidth});
+    expect_error<UsageError>(
+        [&, x = x, y = y] {
+          torch::mse_loss(fsdp(x.narrow(0, rank * 2, 2)), y.narrow(0, rank * 2, 2).narrow(1, 0, 3))
+              .backward();
+        },
+        {"came after unit pair was reduced", "recomputed more than once in one backward"});
+  });
+}
 
 // Gradient accumulation: the first micro-batch inside fsdp.no_sync()
 // reduces nothing; the second reduces the sum once. As one process that

@@ -19,18 +19,22 @@ size_t bytes_of(const at::Tensor& tensor) {
 }
 
 // The tensor keeps its storage object, which views of it share; only the
-// memory behind it goes (to the pool).
-void release_memory(const at::Tensor& tensor, BufferPool& pool) {
+// memory behind it, a block of `block` bytes, goes (to the pool).
+void release_memory(const at::Tensor& tensor, size_t block, BufferPool& pool) {
   auto* storage = tensor.storage().unsafeGetStorageImpl();
-  pool.give(storage->set_data_ptr(at::DataPtr(nullptr, tensor.device())), bytes_of(tensor));
+  pool.give(storage->set_data_ptr(at::DataPtr(nullptr, tensor.device())), block);
   storage->set_nbytes(0);
 }
 
-void reserve_memory(const at::Tensor& tensor, BufferPool& pool) {
+// A block of the pool behind `tensor`, of the size returned: maybe larger
+// than the tensor, whose storage says the tensor's own size (what a save
+// writes).
+size_t reserve_memory(const at::Tensor& tensor, BufferPool& pool) {
   auto* storage = tensor.storage().unsafeGetStorageImpl();
-  storage->set_data_ptr_noswap(
-      pool.take(bytes_of(tensor), tensor.device(), *storage->allocator()));
+  auto block = pool.take(bytes_of(tensor), tensor.device(), *storage->allocator());
+  storage->set_data_ptr_noswap(std::move(block.data));
   storage->set_nbytes(bytes_of(tensor));
+  return block.bytes;
 }
 
 // A flat slice of `tensor` that aliases it without being a differentiable
@@ -109,15 +113,23 @@ FlatUnit::FlatUnit(std::string name,
   if (compute && *compute != first.scalar_type()) {
     compute_ = compute;
     full_low_ = at::empty({per_rank_ * ranks_}, options.dtype(*compute));
-    release_memory(full_low_, none);
+    release_memory(full_low_, bytes_of(full_low_), none);
     shard_low_ = at::empty({per_rank_}, options.dtype(*compute));
     placeholder_ = at::empty({0}, options.dtype(*compute));
   }
   // The gradients come in the dtype the unit computes in.
   grad_full_ = at::empty({per_rank_ * ranks_}, options.dtype(compute_.value_or(first.scalar_type())));
-  release_memory(grad_full_, none);
+  release_memory(grad_full_, bytes_of(grad_full_), none);
   had_gradient_.assign(members_.size(), 0);
+  // Made now rather than at the first reduction: a long-lived block made
+  // between the backward's short-lived ones (autograd's gradients) would
+  // pin the heap above them, and glibc could not give their memory back
+  // (60 to 260 MiB more at the peak of a partly frozen model).
+  if (any_trainable()) {
+    shard_grad_ = at::empty({per_rank_}, shard_.options());
+  }
   gathered_ = true;
+  full_block_ = bytes_of(full_);
   free(none);
 }
 
@@ -164,7 +176,7 @@ void FlatUnit::start_gather(World& world, BufferPool& pool, bool full_precision)
   }
   bool low = compute_.has_value() && !full_precision;
   auto& full = full_of(low);
-  reserve_memory(full, pool);
+  block_of(low) = reserve_memory(full, pool);
   if (low) {
     at::NoGradGuard no_grad;
     shard_low_.copy_(shard_); // cast once, then gathered in half the bytes
@@ -217,7 +229,7 @@ void FlatUnit::free(BufferPool& pool) {
   for (auto& member : members_) {
     member.param.set_data(placeholder_);
   }
-  release_memory(full_of(gathered_low_), pool);
+  release_memory(full_of(gathered_low_), block_of(gathered_low_), pool);
   gathered_ = false;
 }
 
@@ -225,7 +237,7 @@ void FlatUnit::attach_gradients(BufferPool& pool) {
   if (gradients_attached_ || !any_trainable()) {
     return;
   }
-  reserve_memory(grad_full_, pool);
+  grad_block_ = reserve_memory(grad_full_, pool);
   grad_full_.zero_();
   at::NoGradGuard no_grad;
   for (auto& member : members_) {
@@ -249,45 +261,42 @@ void FlatUnit::drop_gradients(BufferPool& pool) {
   for (auto& member : members_) {
     member.param.mutable_grad().reset();
   }
-  release_memory(grad_full_, pool);
+  release_memory(grad_full_, grad_block_, pool);
   gradients_attached_ = false;
 }
 
-void FlatUnit::reduce_gradients(World& world, at::Tensor& scratch, BufferPool& pool,
+void FlatUnit::reduce_gradients(World& world, BufferPool& pool,
                                 std::optional<at::ScalarType> wire) {
-  at::Tensor flat;
-  if (gradients_attached_) {
-    flat = grad_full_;
-  } else {
-    if (!scratch.defined() || scratch.numel() < full_.numel() ||
-        scratch.scalar_type() != grad_full_.scalar_type() || scratch.device() != full_.device()) {
-      scratch = at::empty({full_.numel()}, grad_full_.options());
-    }
-    flat = scratch.narrow(0, 0, full_.numel()).zero_();
+  // The same on every rank: whether a unit holds a trainable parameter
+  // depends on the model alone. One without has nothing to reduce.
+  if (!any_trainable()) {
+    return;
   }
+  for (const auto& member : members_) {
+    LOCKSTEP_ENFORCE(!member.param.grad().defined() || !member.param.grad().is_sparse(),
+                     UsageError, "FullyShardedDataParallel: ", member.name, " has a sparse "
+                     "gradient; sharded parameters take dense ones (build the embedding "
+                     "without sparse(true)).");
+  }
+  // Where no hook attached them (the unit's outputs took no part in this
+  // backward, or were not tensors): the gradients that autograd made, if
+  // any, end to end in a block of the pool.
+  attach_gradients(pool);
+  const auto& flat = grad_full_;
   for (auto& member : members_) {
     const auto& grad = member.param.grad();
     if (!grad.defined()) {
       continue;
     }
-    LOCKSTEP_ENFORCE(!grad.is_sparse(), UsageError, "FullyShardedDataParallel: ", member.name,
-                     " has a sparse gradient; sharded parameters take dense ones (build the "
-                     "embedding without sparse(true)).");
     auto slot = flat.narrow(0, member.offset, member.numel);
     if (grad.data_ptr() != slot.data_ptr()) {
       slot.copy_(grad.reshape({-1}));
     }
     member.param.mutable_grad().reset();
   }
-  // The same on every rank: whether a unit holds a trainable parameter
-  // depends on the model alone.
-  if (any_trainable()) {
-    scatter_into_pieces(world, flat, wire);
-  }
-  if (gradients_attached_) {
-    release_memory(grad_full_, pool);
-    gradients_attached_ = false;
-  }
+  scatter_into_pieces(world, flat, wire);
+  release_memory(grad_full_, grad_block_, pool);
+  gradients_attached_ = false;
 }
 
 void FlatUnit::scatter_into_pieces(World& world, const at::Tensor& flat,
@@ -318,7 +327,7 @@ void FlatUnit::scatter_into_pieces(World& world, const at::Tensor& flat,
   // The first backward of a step (an optimizer that sets gradients to
   // None): the averages land in the shard's gradients themselves.
   if (none_yet) {
-    if (!shard_grad_.defined()) {
+    if (!shard_grad_.defined()) { // a unit unfrozen since it was made
       shard_grad_ = at::empty({per_rank_}, shard_.options());
     }
     average_into(shard_grad_);

@@ -95,10 +95,9 @@ class FlatUnit {
   /// Collective: the average over ranks of the parameters' gradients
   /// (zeros where a parameter has none) is added to the pieces' gradients;
   /// the parameters' own gradients are dropped. Gradients that were not
-  /// attached are put end to end in `scratch` first (grown to this unit's
-  /// size if need be). With `wire`, they travel in that dtype.
-  void reduce_gradients(World& world, at::Tensor& scratch, BufferPool& pool,
-                        std::optional<at::ScalarType> wire);
+  /// attached are put end to end in a block of `pool` first. With `wire`,
+  /// they travel in that dtype.
+  void reduce_gradients(World& world, BufferPool& pool, std::optional<at::ScalarType> wire);
   /// Per member: whether its piece held a gradient before the last
   /// reduce_gradients (a member that no rank used gets none back).
   const std::vector<char>& had_gradient() const {
@@ -124,6 +123,10 @@ class FlatUnit {
   at::Tensor& full_of(bool low) {
     return low ? full_low_ : full_;
   }
+  // The size of the pool's block behind it, while gathered.
+  size_t& block_of(bool low) {
+    return low ? full_low_block_ : full_block_;
+  }
 
   bool gathered_ = false;
   bool gathered_low_ = false; // in the compute dtype
@@ -140,6 +143,10 @@ class FlatUnit {
   // The attached gradients end to end (memory only while attached), and
   // this rank's averages of them, which the pieces' gradients view.
   at::Tensor grad_full_;
+  // The sizes of the pool's blocks behind full_, full_low_ and grad_full_.
+  size_t full_block_ = 0;
+  size_t full_low_block_ = 0;
+  size_t grad_block_ = 0;
   bool gradients_attached_ = false;
   at::Tensor shard_grad_;
 };

@@ -15,6 +15,7 @@
 #include <optional>
 
 #include <ATen/ATen.h>
+#include <ATen/SequenceNumber.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -52,7 +53,22 @@ class UnitHooksOf : public UnitHooks {
       state->gather(unit_);
       if (state->in_forward) {
         ++state->calls[unit_];
-        state->call_marked[unit_] = 0;
+        state->call_first_node[unit_] = at::sequence_number::peek();
+        state->call_marked_views[unit_].clear();
+        // Without autograd inside a forward with it: a checkpoint that
+        // recomputes the call inside backward, where its gradients come,
+        // though no graph of this forward reaches its parameters. They are
+        // waited for (or reduced at the end, where no recomputation came).
+        if (!torch::autograd::GradMode::is_enabled() && state->forward_with_grad) {
+          state->read_late[unit_] = 1;
+          for (size_t k = 0; k < state->accumulators[unit_].size(); ++k) {
+            if (state->accumulators[unit_][k]) {
+              state->reached[unit_][k] = 1;
+            }
+          }
+        }
+      } else {
+        state->read_late[unit_] = 1; // a recomputation inside backward
       }
       if (std::find(state->forward_order.begin(), state->forward_order.end(), unit_) ==
           state->forward_order.end()) {
@@ -74,14 +90,11 @@ class UnitHooksOf : public UnitHooks {
         !torch::autograd::GradMode::is_enabled()) {
       return input;
     }
-    if (state->call_marked[unit_] == 0) {
-      state->call_marked[unit_] = 1;
-      ++state->calls_marked[unit_];
-    }
     // A view of its own, so that the hook sees this unit's use of the input
     // alone: its gradient is complete once the unit's backward is over.
     auto marked = input.view_as(input);
     ++state->inputs_marked[unit_];
+    state->call_marked_views[unit_].push_back(marked.grad_fn());
     std::weak_ptr<ShardedModel::State> weak = state_;
     size_t unit = unit_;
     marked.register_hook([weak, unit](const at::Tensor& /*grad*/) {
@@ -112,6 +125,19 @@ class UnitHooksOf : public UnitHooks {
     }
     keep = !state->hook_outputs(unit_, outputs) || keep;
     state->keep_gathered[unit_] = state->keep_gathered[unit_] || keep;
+    if (state->in_forward && state->holds_frozen[unit_] != 0 && state->read_late[unit_] == 0) {
+      std::unordered_set<const torch::autograd::Node*> stops;
+      for (const auto& view : state->call_marked_views[unit_]) {
+        stops.insert(view.get());
+      }
+      for (const auto& accumulator : state->accumulators[unit_]) {
+        stops.insert(accumulator.get());
+      }
+      if (reaches_beyond_call(outputs, state->call_first_node[unit_], stops)) {
+        state->read_late[unit_] = 1;
+      }
+    }
+    state->call_marked_views[unit_].clear();
     if (state->options.reshard_after_forward() && state->keep_gathered[unit_] == 0) {
       state->free(unit_);
     }
@@ -179,8 +205,9 @@ void ShardedModel::State::reset_step(bool keep_gradients) {
   }
   keep_gathered.assign(units.size(), 0);
   calls.assign(units.size(), 0);
-  calls_marked.assign(units.size(), 0);
-  call_marked.assign(units.size(), 0);
+  read_late.assign(units.size(), 0);
+  call_first_node.assign(units.size(), 0);
+  call_marked_views.assign(units.size(), {});
   inputs_marked.assign(units.size(), 0);
   inputs_arrived.assign(units.size(), 0);
   reduced = 0;
@@ -233,20 +260,29 @@ void ShardedModel::State::note_reached(
 void ShardedModel::State::on_gradient(size_t unit, size_t member) {
   open_backward();
   auto& seen = arrived[unit][member];
-  if (seen != 0) {
-    return; // a second backward through a retained graph: reduced at its end
-  }
   // Autograd accumulates a parameter's gradient before it runs what the
   // same node sent to the unit's input, so that none comes after the
-  // input's: were one to, its gradient would be lost, and that is named.
+  // input's. One that comes after the unit's reduction anyway (a block
+  // recomputed twice in one backward, or a parameter that a checkpoint
+  // reads around its unit's holder, which no forward's graph reached)
+  // would be lost: that is named.
   LOCKSTEP_ENFORCE(reduced_unit[unit] == 0, UsageError, "FullyShardedDataParallel: the "
                    "gradient of ", units[unit]->members()[member].name, " came after ",
-                   FlatUnit::describe(unit_names[unit]), " was reduced, its backward over. "
-                   "Please report this model.");
-  seen = 1;
+                   FlatUnit::describe(unit_names[unit]), " was reduced, its backward over. A "
+                   "unit recomputed more than once in one backward (checkpointed twice, or "
+                   "checkpointed and also called with autograd), or a parameter that a "
+                   "checkpoint reads outside its unit's holder, brings its gradient too late: "
+                   "checkpoint each unit once, through its holder.");
   used_since_sync[unit][member] = 1;
-  if (--pending[unit] == 0) {
-    reduce_in_order(/*to_the_end=*/false);
+  if (seen == kPending) {
+    seen = kArrived;
+    if (--pending[unit] == 0) {
+      reduce_in_order(/*to_the_end=*/false);
+    }
+  } else {
+    // A second gradient (it accumulates where the first did), or one not
+    // waited for: reduced with the rest.
+    seen = kArrived;
   }
 }
 
@@ -261,8 +297,11 @@ void ShardedModel::State::open_backward() {
   // its used ones are in.
   for (size_t u = 0; u < units.size(); ++u) {
     for (size_t k = 0; k < accumulators[u].size(); ++k) {
-      if (accumulators[u][k] && reached[u][k] == 0 && arrived[u][k] == 0) {
-        arrived[u][k] = 1;
+      // (A parameter frozen since the wrapper was made keeps its
+      // accumulator, but was never counted as pending.)
+      if (accumulators[u][k] && units[u]->members()[k].param.requires_grad() &&
+          reached[u][k] == 0 && arrived[u][k] == kPending) {
+        arrived[u][k] = kPresumed;
         --pending[u];
       }
     }
@@ -286,8 +325,7 @@ void ShardedModel::State::reduce_in_order(bool to_the_end) {
     }
     if (sync_this_backward) {
       timed("reduce-scatter", unit,
-            [&] { units[unit]->reduce_gradients(world, gradient_scratch, pool,
-                                                options.reduce_dtype()); });
+            [&] { units[unit]->reduce_gradients(world, pool, options.reduce_dtype()); });
     }
     ++reduced;
     reduced_unit[unit] = 1;
@@ -376,6 +414,7 @@ void ShardedModel::before_forward() {
     }
   }
   state_->in_forward = true;
+  state_->forward_with_grad = torch::autograd::GradMode::is_enabled();
 }
 
 void ShardedModel::forward_failed(const std::exception_ptr& error) {
@@ -427,6 +466,20 @@ void ShardedModel::after_forward(const std::vector<at::Tensor>& outputs) {
   }
   if (!state_->units.empty() && state_->unit_names[0].empty()) {
     state_->hook_outputs(0, outputs);
+  } else {
+    // The backward opens at the wrapper's outputs, where it begins: not at
+    // a first gradient inside a checkpoint's nested backward, whose end
+    // would then end this one (the callback attaches to the innermost).
+    std::weak_ptr<State> weak = state_;
+    for (const auto& output : outputs) {
+      if (output.defined() && output.requires_grad()) {
+        output.register_hook([weak](const at::Tensor& /*grad*/) {
+          if (auto state = weak.lock()) {
+            state->open_backward();
+          }
+        });
+      }
+    }
   }
   // One walk of the graph: which parameters this forward used, and whether
   // a unit took part without its holder.

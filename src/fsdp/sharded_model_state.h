@@ -3,6 +3,7 @@
 // FullyShardedDataParallel's state, shared by sharded_model.cpp (the life
 // of a step) and sharded_state.cpp (the state as checkpoints see it).
 
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
@@ -40,11 +41,12 @@ struct ShardedModel::State : std::enable_shared_from_this<State> {
   // A unit's parameters and gradients, and with prefetch the next unit's
   // parameters.
   BufferPool pool;
-  // A unit's gradients end to end on their way to the shards.
-  at::Tensor gradient_scratch;
 
   // The step in progress.
-  std::vector<std::vector<char>> arrived; // per unit, per member
+  // Per unit and member: kPending, kArrived, or kPresumed (no forward's
+  // graph reached it: not waited for).
+  std::vector<std::vector<char>> arrived;
+  static constexpr char kPending = 0, kArrived = 1, kPresumed = 2;
   std::vector<size_t> pending;            // per unit: gradients still to come
   std::vector<char> keep_gathered;        // outputs that no hook could reach
   // Per unit and member: the accumulator was reachable from the outputs of
@@ -52,15 +54,26 @@ struct ShardedModel::State : std::enable_shared_from_this<State> {
   // this backward: it is not waited for (DDP's find_unused_parameters).
   std::vector<std::vector<char>> reached;
   // Per unit: its calls in the wrapper's forwards since the last backward,
-  // those calls with an input that requires grad, those inputs, and those
-  // whose gradient came. Once all have, and every call had one, nothing
-  // of this backward reads the unit's parameters any more (FSDP2's
-  // post-backward): a unit with frozen parameters may be freed then.
+  // the inputs of those calls that require grad (each seen through a view
+  // with a hook), and those whose gradient came. Once all have, nothing of
+  // this backward reads the unit's parameters any more (FSDP2's
+  // post-backward), unless `read_late`: a call's graph reaches beyond the
+  // call other than through those views and the unit's own accumulators (a
+  // tensor in a struct argument or captured from elsewhere, whose gradient
+  // may come after the unit's), or a call ran without autograd inside a
+  // forward with it, or again inside backward (activation checkpointing:
+  // the recomputed graph's inputs are not seen). A unit with frozen
+  // parameters may be freed then; one read late, at the end of backward.
   std::vector<size_t> calls;
-  std::vector<size_t> calls_marked;
-  std::vector<char> call_marked; // the call in progress marked an input
   std::vector<size_t> inputs_marked;
   std::vector<size_t> inputs_arrived;
+  std::vector<char> read_late;
+  // The call in progress, per unit: this thread's first autograd sequence
+  // number in it, and the nodes of its inputs' views (what the graph walk
+  // stops at; held, so that no other node takes a freed one's address).
+  std::vector<uint64_t> call_first_node;
+  std::vector<std::vector<std::shared_ptr<torch::autograd::Node>>> call_marked_views;
+  bool forward_with_grad = true; // the wrapper's forward runs with autograd
   std::vector<char> holds_frozen; // per unit: a member that requires no grad
   // The order backward reduces the units in, the same on every rank: last
   // registered first until the first forward has run, then the reverse of
@@ -127,11 +140,13 @@ struct ShardedModel::State : std::enable_shared_from_this<State> {
   /// Whether nothing left of this backward reads `unit`'s parameters once
   /// its gradients are in: with every parameter trainable, at once (the
   /// node that reads a weight computes its gradient); with one frozen, once
-  /// the gradient of every input of every call has come.
+  /// the gradient of every input that requires grad has come (at once
+  /// where none does: every node of the unit's backward then leads to a
+  /// trainable parameter of its own, and has run before its gradient
+  /// came), unless it is read late.
   bool parameters_read_out(size_t unit) const {
     return holds_frozen[unit] == 0 ||
-        (calls[unit] > 0 && calls_marked[unit] == calls[unit] &&
-         inputs_arrived[unit] >= inputs_marked[unit]);
+        (calls[unit] > 0 && read_late[unit] == 0 && inputs_arrived[unit] >= inputs_marked[unit]);
   }
   /// Frees `unit` once it is reduced and nothing else reads it.
   void free_if_done(size_t unit) {

@@ -35,4 +35,35 @@ std::unordered_set<const torch::autograd::Node*> reachable_nodes(
   return seen;
 }
 
+bool reaches_beyond_call(const std::vector<at::Tensor>& outputs, uint64_t first,
+                         const std::unordered_set<const torch::autograd::Node*>& stops) {
+  std::unordered_set<const torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> stack;
+  for (const auto& output : outputs) {
+    if (output.defined() && output.requires_grad() && output.grad_fn() &&
+        seen.insert(output.grad_fn().get()).second) {
+      stack.push_back(output.grad_fn().get());
+    }
+  }
+  while (!stack.empty()) {
+    auto* node = stack.back();
+    stack.pop_back();
+    if (stops.count(node) != 0) {
+      continue;
+    }
+    // Accumulators are numbered UINT64_MAX: one not among `stops` is
+    // another leaf's.
+    if (node->sequence_nr() < first || node->sequence_nr() == UINT64_MAX) {
+      return true;
+    }
+    for (const auto& edge : node->next_edges()) {
+      auto* next = edge.function.get();
+      if (next != nullptr && seen.insert(next).second) {
+        stack.push_back(next);
+      }
+    }
+  }
+  return false;
+}
+
 } // namespace lockstep::detail
