@@ -183,7 +183,7 @@ int main(int argc, char** argv) {
     });
   }
   members[0]->membership->decide(detail::Epoch{}, records);
-  members[0]->membership->note_lineage(0);
+  members[0]->membership->mark_formed(0);
 
   store::StoreClient observer(endpoint, store_timeout);
   auto operations = [&] { return observer.stats().operations; };

@@ -9,9 +9,11 @@
 
 #include <lockstep/error.h>
 
+#include "fault/agreement.h"
 #include "fault/membership.h"
 #include "store/client.h"
 #include "store/server.h"
+#include "world/liveness.h"
 #include "support/expect_error.h"
 #include "support/scratch_folder.h"
 #include "world/job_secret.h"
@@ -102,7 +104,7 @@ TEST_F(MembershipOverAStore, WithASecretWhatAStoreWriterForgesIsRefusedNotActedO
   ASSERT_EQ(arrivals.size(), 1u);
   EXPECT_EQ(arrivals[0].replica, 0);
   // A member list with a huge step, a pre-written commit, a reason to give
-  // a world up, a lineage: each is refused by name.
+  // a world up: each is refused by name.
   forger->decide(detail::Epoch{}, {member(9, 1000000, 0)});
   expect_error<FaultToleranceError>([&] { rank->latest(); },
                                             {"the latest epoch without a valid proof of the job "
@@ -113,8 +115,6 @@ TEST_F(MembershipOverAStore, WithASecretWhatAStoreWriterForgesIsRefusedNotActedO
   forger->abandon(4, "forged");
   expect_error<FaultToleranceError>([&] { rank->abandon(4, "real"); },
                                             {"without a valid proof"});
-  forger->note_lineage(99);
-  expect_error<FaultToleranceError>([&] { rank->lineage(); }, {"the lineage"});
   // The state's announcement: a digest that does not match, or one signed
   // without the secret, is not the sender's.
   rank->announce_state(5, 0, 10, "abc");
@@ -154,6 +154,137 @@ TEST_F(MembershipOverAStore, WithASecretAnOldOrAnotherAttemptsValueIsRefused) {
   client()->set("lockstep/job/1/ft/" + detail::step_key(0, 5, "decision"), *decision);
   expect_error<FaultToleranceError>([&] { attempt1->decide_step(0, 5, "abort mine"); },
                                     {"the decision of step 5 without a valid proof"});
+}
+
+TEST_F(MembershipOverAStore, AnyMemberMarksItsWorldFormedAndTheLineageGoesWithTheEpoch) {
+  auto rank0 = membership("s3cret");
+  auto rank1 = membership("s3cret");
+  auto zero = rank0->decide(detail::Epoch{}, {member(0, 0, -1), member(1, 0, -1)});
+  EXPECT_EQ(zero.lineage, -1);
+  EXPECT_TRUE(rank0->mark_formed(0));
+  EXPECT_EQ(rank1->lineage(), 0);
+  // Epoch 1 is decided: the lineage stays 0 until one of its members (not
+  // necessarily its rank 0, which may die first) marks it formed.
+  auto one = rank0->decide(rank0->latest(), {member(0, 5, 0), member(1, 5, 0)});
+  ASSERT_EQ(one.number, 1);
+  EXPECT_EQ(one.lineage, 0);
+  EXPECT_TRUE(rank1->mark_formed(1));
+  EXPECT_TRUE(rank0->mark_formed(1)) << "marked already: no second write";
+  EXPECT_EQ(rank0->lineage(), 1);
+  // Epoch 2 is decided over it, then given up before it formed: epoch 3,
+  // decided over the unmarked 2, keeps lineage 1, and a member of epoch 2
+  // that formed late finds it must not train.
+  auto two = rank0->decide(rank0->latest(), {member(0, 9, 1), member(1, 9, 1)});
+  auto three = rank1->decide(two, {member(1, 9, 1)});
+  ASSERT_EQ(three.number, 3);
+  EXPECT_EQ(three.lineage, 1);
+  EXPECT_FALSE(rank0->mark_formed(2));
+  EXPECT_EQ(rank0->lineage(), 1);
+  // Epoch 3's unmarked value put back over its mark: the lineage goes
+  // back, and a rank that read the mark refuses it.
+  auto unmarked = client()->get("lockstep/job/0/ft/epoch");
+  EXPECT_TRUE(rank1->mark_formed(3));
+  client()->set("lockstep/job/0/ft/epoch", *unmarked);
+  expect_error<FaultToleranceError>([&] { rank1->latest(); },
+                                    {"the job's lineage went back from epoch 3 to 1"});
+}
+
+// Agreement (src/fault/agreement.h) among simulated members in this
+// process, each with its own liveness and connections to a real store.
+class AgreementOverAStore : public MembershipOverAStore {
+ protected:
+  struct Simulated {
+    Member me;
+    std::unique_ptr<detail::Liveness> liveness;
+    std::unique_ptr<Membership> membership;
+    std::unique_ptr<detail::Agreement> agreement;
+  };
+  static constexpr auto kHeartbeat = std::chrono::milliseconds(400);
+  Simulated& add(int replica, int64_t step, int64_t trained) {
+    auto& sim = *members_.emplace_back(std::make_unique<Simulated>());
+    sim.me = member(replica, step, trained);
+    sim.me.identity.host = "sim";
+    sim.me.identity.pid = 100000 + replica;
+    sim.liveness = std::make_unique<detail::Liveness>(
+        server_->endpoint(), 5s,
+        detail::Liveness::Process{replica, 0, sim.me.identity.to_record()}, kHeartbeat);
+    sim.membership = membership("s3cret");
+    sim.agreement = std::make_unique<detail::Agreement>(
+        *sim.membership, *sim.liveness, detail::AgreementOptions{1, 2s, 10s});
+    return sim;
+  }
+  // The next epoch as `sims` decide it together, each on a thread.
+  std::vector<std::optional<std::pair<int64_t, std::vector<Member>>>> next_epoch(
+      const std::vector<Simulated*>& sims) {
+    std::vector<std::optional<std::pair<int64_t, std::vector<Member>>>> decided(sims.size());
+    std::vector<std::exception_ptr> errors(sims.size());
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < sims.size(); ++i) {
+      threads.emplace_back([&, i] {
+        try {
+          decided[i] = sims[i]->agreement->next_epoch(sims[i]->me, Clock::now() + 10s);
+        } catch (...) {
+          errors[i] = std::current_exception();
+        }
+      });
+    }
+    for (auto& thread : threads) {
+      thread.join();
+    }
+    for (const auto& error : errors) {
+      if (error) {
+        std::rethrow_exception(error);
+      }
+    }
+    return decided;
+  }
+  using Clock = std::chrono::steady_clock;
+  std::vector<std::unique_ptr<Simulated>> members_;
+};
+
+TEST_F(AgreementOverAStore, TheLiveStateOutlivesTheDeathOfAnyMemberOnceItsWorldFormed) {
+  auto& rank0 = add(0, 0, 0);
+  auto& rank1 = add(1, 0, 0);
+  auto& rank2 = add(2, 0, 0);
+  rank0.membership->decide(detail::Epoch{}, {rank0.me, rank1.me, rank2.me});
+  rank0.membership->mark_formed(0);
+  auto one = rank0.membership->decide(rank0.membership->latest(), {rank0.me, rank1.me, rank2.me});
+  ASSERT_EQ(one.number, 1);
+  // Epoch 1 formed; rank 0, its old only writer of the lineage, dies
+  // before it writes anything; ranks 1 and 2 mark it and train on.
+  rank0.liveness->stop();
+  ASSERT_TRUE(rank1.membership->mark_formed(1));
+  for (auto* sim : {&rank1, &rank2}) {
+    sim->me.step = 7;
+    sim->me.trained = 1;
+  }
+  std::this_thread::sleep_for(2 * kHeartbeat); // rank 0 is seen failed
+  auto decided = next_epoch({&rank1, &rank2});
+  for (const auto& epoch : decided) {
+    ASSERT_TRUE(epoch.has_value());
+    EXPECT_EQ(epoch->first, 2);
+    ASSERT_EQ(epoch->second.size(), 2u);
+    EXPECT_EQ(epoch->second[0].replica, 1);
+  }
+}
+
+TEST_F(AgreementOverAStore, AStaleRankIsNeverTakenForTheLiveState) {
+  auto& rank0 = add(0, 0, 0);
+  auto& rank1 = add(1, 0, 0);
+  auto& rank2 = add(2, 0, 0);
+  rank0.membership->decide(detail::Epoch{}, {rank0.me, rank1.me, rank2.me});
+  rank0.membership->mark_formed(0);
+  // Rank 2 was stopped at step 5 of epoch 0; ranks 0 and 1 formed epoch 1
+  // without it, trained, and both died. Rank 2's state is older than the
+  // job's: it must not become the live state.
+  rank2.me.step = 5;
+  rank0.membership->decide(rank0.membership->latest(), {rank0.me, rank1.me});
+  ASSERT_TRUE(rank1.membership->mark_formed(1));
+  rank0.liveness->stop();
+  rank1.liveness->stop();
+  std::this_thread::sleep_for(2 * kHeartbeat);
+  expect_error<FaultToleranceError>([&] { next_epoch({&rank2}); },
+                                    {"every rank that held the trained state has failed"});
 }
 
 TEST(LiveState, TheLatestLineageAtItsMostStepsAndAnOlderWorldIsBehindAtTheSameStep) {

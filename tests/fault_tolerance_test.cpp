@@ -260,6 +260,30 @@ TEST(FaultTolerance, AStoppedRankIsDroppedAfterTheHeartbeatTimeoutThenRejoins) {
   expect_committed_steps_match(out, 3, reference(300));
 }
 
+// A rank that fails after the loop, before any rank ended, is restarted
+// and finds the loop ended: that restart once covered the failure (exit 0
+// for the job). Its earlier incarnation was in the last world, so the job
+// fails, and says why.
+TEST(FaultTolerance, ARankThatFailsAfterTheLoopFailsTheJobThoughItEndsFirst) {
+  ScratchFolder out("ft-after-loop");
+  auto argv = launch(3, 2);
+  for (std::string arg : {lockstep::testing::elastic_float64_binary(), "30", out.path().c_str()}) {
+    argv.push_back(arg);
+  }
+  auto result = run_process(argv, {{"LOCKSTEP_TEST_KILLS", "1:0:0:end"}},
+                            std::chrono::seconds(120));
+  EXPECT_FALSE(result.ok()) << result.output;
+  EXPECT_NE(result.output.find("restarting it alone"), std::string::npos)
+      << "the restart this test is about did not happen:\n" << result.output;
+  EXPECT_NE(result.output.find("rank 1 (incarnation 0) failed after the job's loop"),
+            std::string::npos)
+      << result.output;
+  EXPECT_NE(result.output.find("failed after the job's loop: it was a member of the last world"),
+            std::string::npos)
+      << result.output;
+  EXPECT_EQ(occurrences(result.output, ": 30 steps"), 2) << result.output;
+}
+
 // A rank stopped past the heartbeat timeout whose rank is restarted (here by
 // hand, as a launcher would) comes back stale: it is refused by name, and
 // the job goes on with its newer incarnation.

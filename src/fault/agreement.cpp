@@ -112,7 +112,23 @@ std::optional<std::pair<int64_t, std::vector<Member>>> Agreement::next_epoch(
       }
     }
     if (me.step < 0 && membership_.finished()) {
-      membership_.left(me.replica, me.incarnation);
+      // An earlier incarnation of this rank in the last world trained to
+      // the end with it: it failed after the loop (a dropped member
+      // would have been left out of a later world), and that is the
+      // job's failure, not one that a restart covers.
+      auto last = membership_.latest();
+      auto earlier = std::find_if(last.members.begin(), last.members.end(), [&](const Member& m) {
+        return m.replica == me.replica && m.incarnation < me.incarnation;
+      });
+      if (earlier != last.members.end()) {
+        membership_.left(me.replica, me.incarnation, kCrashedAfterLoop);
+        LOCKSTEP_FAIL(FaultToleranceError, earlier->describe(), " failed after the job's "
+                      "loop: it was a member of the last world (epoch ", last.number, "), "
+                      "which trained to the end, so its restart has nothing to rejoin and "
+                      "the job fails (a failure after the loop is no fault that a restart "
+                      "covers).");
+      }
+      membership_.left(me.replica, me.incarnation, kLeft);
       LOCKSTEP_FAIL(FaultToleranceError, "rank ", me.replica, " was restarted to rejoin, but "
                     "the job's other ranks have finished their loop: there is no training "
                     "left to rejoin.");

@@ -119,7 +119,7 @@ FaultTolerance::FaultTolerance(std::shared_ptr<detail::Guarded> guarded,
   }
   if (impl.base.rank() == 0) {
     impl.membership->decide(detail::Epoch{}, impl.members);
-    impl.membership->note_lineage(0);
+    impl.membership->mark_formed(0);
   }
   impl.epoch = 0;
   impl.watch_world(0, impl.members, impl.world);

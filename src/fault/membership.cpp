@@ -158,19 +158,29 @@ Epoch Membership::latest() {
   }
   auto body = open("epoch", "the latest epoch", *value);
   auto newline = body.find('\n');
-  epoch.number = std::stoll(body.substr(0, newline));
+  std::istringstream(body.substr(0, newline)) >> epoch.number >> epoch.lineage;
   epoch.members = parse_members(newline == std::string::npos ? "" : body.substr(newline + 1));
   epoch.stored = *value;
   LOCKSTEP_ENFORCE(epoch.number >= highest_epoch_, FaultToleranceError, "the job's latest "
                    "epoch went back from ", highest_epoch_, " to ", epoch.number, ": an old value "
                    "was put back in the job's store. This rank refuses to act on it and ends.");
+  LOCKSTEP_ENFORCE(epoch.lineage >= highest_lineage_, FaultToleranceError, "the job's lineage "
+                   "went back from epoch ", highest_lineage_, " to ", epoch.lineage, ": an old "
+                   "value was put back in the job's store. This rank refuses to act on it and "
+                   "ends.");
   highest_epoch_ = epoch.number;
+  highest_lineage_ = epoch.lineage;
   return epoch;
+}
+
+std::string Membership::epoch_value(int64_t number, int64_t lineage,
+                                    const std::vector<Member>& members) const {
+  return sign("epoch", str(number, " ", lineage, "\n", members_text(members)));
 }
 
 Epoch Membership::decide(const Epoch& after, const std::vector<Member>& members) {
   int64_t number = after.number + 1;
-  auto value = sign("epoch", str(number, "\n", members_text(members)));
+  auto value = epoch_value(number, after.formed() ? after.number : after.lineage, members);
   guarded("proposed a world", [&] {
     auto stored = client_->compare_set(prefix_ + "epoch", after.stored, value);
     if (stored == value) {
@@ -356,21 +366,27 @@ bool Membership::state_matches(int64_t epoch, int source, int64_t step,
   return proven_body(str("state|", epoch), *value) == str(source, " ", step, " ", digest);
 }
 
-void Membership::note_lineage(int64_t epoch) {
-  guarded("noted its world", [&] {
-    client_->set(prefix_ + "lineage", sign("lineage", std::to_string(epoch)));
-    return 0;
-  });
+bool Membership::mark_formed(int64_t epoch) {
+  // Every member tries: the first compare-and-set wins, the others find
+  // it marked. A later epoch decided over the unmarked value means the
+  // others gave this world up before it was known to have formed.
+  while (true) {
+    auto now = latest();
+    if (now.number != epoch) {
+      return false;
+    }
+    if (now.formed()) {
+      return true;
+    }
+    auto value = epoch_value(epoch, epoch, now.members);
+    guarded("marked its world formed", [&] {
+      return client_->compare_set(prefix_ + "epoch", now.stored, value);
+    });
+  }
 }
 
 int64_t Membership::lineage() {
-  auto value = guarded("read the lineage", [&] { return client_->get(prefix_ + "lineage"); });
-  int64_t lineage = value ? std::stoll(open("lineage", "the lineage", *value)) : -1;
-  LOCKSTEP_ENFORCE(lineage >= highest_lineage_, FaultToleranceError, "the job's lineage went "
-                   "back from epoch ", highest_lineage_, " to ", lineage, ": an old value was put "
-                   "back in the job's store. This rank refuses to act on it and ends.");
-  highest_lineage_ = lineage;
-  return lineage;
+  return latest().lineage;
 }
 
 bool Membership::finished() {
@@ -379,10 +395,10 @@ bool Membership::finished() {
   return value && open("finished", "the job's end", *value) == kFinished;
 }
 
-void Membership::left(int replica, int incarnation) {
+void Membership::left(int replica, int incarnation, const char* why) {
   guarded("said it leaves", [&] {
     client_->set(prefix_ + str("left/", replica, "/", incarnation),
-                 sign(str("left|", replica, "|", incarnation), kLeft));
+                 sign(str("left|", replica, "|", incarnation), why));
     return 0;
   });
 }

@@ -6,10 +6,14 @@
 // every rank reads the same answer.
 //
 // Keys, under the job's prefix and "ft/":
-//   epoch                the latest epoch decided and its members: epoch E
-//                        is decided by a compare-and-set over E-1's value,
-//                        so epochs are totally ordered and a world forms
-//                        only from the latest
+//   epoch                the latest epoch decided, its members and the
+//                        lineage: epoch E is decided by a compare-and-set
+//                        over E-1's value, so epochs are totally ordered
+//                        and a world forms only from the latest; once its
+//                        world formed and holds the live state, a member
+//                        marks it formed by a second compare-and-set over
+//                        the same key (any member: no one writer's death
+//                        can lose the mark), and the lineage is E from then
 //   e<E>/members         a copy of epoch E's decision, for those who wait
 //   e<E>/arrive/<slot>   a member record: who wants to train in epoch E
 //   e<E>/wanting         how many asked (the last voter of epoch E-1 sees it)
@@ -17,12 +21,13 @@
 //   e<E>/state           the digest of the live state sent in epoch E
 //   e<E>/s<S>/votes      how many members' reductions of step S held
 //   e<E>/s<S>/decision   "commit", "commit reform" or "abort <why>"
-//   lineage              the latest epoch that formed: its members hold
-//                        the trained state
 //   finished             "ended" once a rank exited with 0 (lockstep-run
 //                        writes it): a rank restarted later has nothing to
 //                        rejoin
-//   left/<slot>/<incarnation>   "left": that restarted rank found so
+//   left/<slot>/<incarnation>   "left": that restarted rank found so;
+//                        "crashed after the loop": and its earlier
+//                        incarnation was a member of the last world, so it
+//                        failed after the loop (the job fails)
 // Bounded: a step's keys go once the next step is decided, an epoch's two
 // epochs later; the rest is one key each.
 //
@@ -92,8 +97,14 @@ struct Signer {
 /// the stored value that the next decision must find.
 struct Epoch {
   int64_t number = -1;
+  /// The latest epoch whose world formed (its members hold the trained
+  /// state): `number` once marked formed, before that the lineage of the
+  /// epoch it was decided over; -1 before the first.
+  int64_t lineage = -1;
   std::vector<Member> members;
   std::string stored;
+
+  bool formed() const { return number >= 0 && lineage == number; }
 };
 
 /// The store operations of the protocol, through one connection. A store
@@ -151,14 +162,20 @@ class Membership {
   bool state_matches(int64_t epoch, int source, int64_t step, const std::string& digest,
                      std::chrono::milliseconds wait);
 
-  void note_lineage(int64_t epoch);
+  /// Marks `epoch` formed: its world formed and every member holds the
+  /// live state. Returns false when a later epoch was decided meanwhile
+  /// (this world is given up: it must not train).
+  bool mark_formed(int64_t epoch);
+  /// The latest epoch that formed (Epoch::lineage of the latest).
   int64_t lineage();
 
   /// Whether the job's loop has ended (a rank exited with 0).
   bool finished();
-  /// Records that this restarted rank found the loop ended (lockstep-run
-  /// then counts its exit as no failure).
-  void left(int replica, int incarnation);
+  /// Records that this restarted rank found the loop ended: `why` is
+  /// kLeft (lockstep-run then counts its exit as no failure) or
+  /// kCrashedAfterLoop (its earlier incarnation was in the last world: the
+  /// job fails).
+  void left(int replica, int incarnation, const char* why);
 
   /// The claim a signed value proves ("<prefix><what>|<body>": bound to
   /// the job's attempt by its key prefix), and the value.
@@ -176,6 +193,8 @@ class Membership {
   std::unique_ptr<store::StoreClient> client_;
   std::string prefix_; // "<job prefix>/ft/"
   Signer signer_;
+  std::string epoch_value(int64_t number, int64_t lineage, const std::vector<Member>& members) const;
+
   // The highest epoch and lineage read: a value that goes back is an old
   // signed value put back by a store writer, and is refused.
   int64_t highest_epoch_ = -1;
@@ -185,6 +204,7 @@ class Membership {
 /// The values lockstep-run writes and reads (tools/lockstep-run).
 constexpr const char* kFinished = "ended";
 constexpr const char* kLeft = "left";
+constexpr const char* kCrashedAfterLoop = "crashed after the loop";
 
 std::string epoch_key(int64_t epoch, const std::string& key);
 std::string step_key(int64_t epoch, int64_t step, const std::string& key);

@@ -67,6 +67,10 @@ void FaultTolerance::Impl::reform() {
       auto next = form(target, decided);
       watch_world(target, decided, next);
       bring_up_to_date(next, decided, target);
+      // Before any step of this epoch: from here on its members hold the
+      // live state, whichever of them dies next.
+      LOCKSTEP_ENFORCE(membership->mark_formed(target), CollectiveError, "epoch ", target,
+                       " was given up by the others while its world formed");
       guarded->adopt_world(next);
       world = next;
     } catch (const FaultToleranceError&) {
@@ -91,7 +95,6 @@ void FaultTolerance::Impl::reform() {
     if (world.rank() == 0) {
       // The epochs before last are no one's any more: their keys, their
       // worlds' keys and ledgers go.
-      membership->note_lineage(target);
       for (auto old : membership->retire_through(target - 2)) {
         WorldAccess::retire(base, world_scope(old));
       }

@@ -25,6 +25,7 @@
 // LOCKSTEP_TEST_UNREGISTERED_SCHEDULE=1). LOCKSTEP_TEST_STEP_TIMEOUT_MS sets
 // FaultToleranceOptions::step_timeout.
 
+#include <algorithm>
 #include <unistd.h>
 
 #include <csignal>
@@ -204,6 +205,12 @@ int train(int argc, char** argv) {
     std::this_thread::sleep_for(std::chrono::milliseconds(whole ? pause_ms : 10 * pause_ms));
   }
   ddp.check_replicas();
+  maybe_die("end");
+  // The others linger after a kill planned after the loop, so that the
+  // killed rank ends first: its restart then finds no rank ended yet.
+  if (std::any_of(kills.begin(), kills.end(), [](const Kill& k) { return k.phase == "end"; })) {
+    std::this_thread::sleep_for(std::chrono::seconds(3));
+  }
   if (ft.world().rank() == 0) {
     auto flat = torch::cat({model->fc1->weight.flatten(), model->fc1->bias, model->fc2->weight.flatten(),
                             model->fc2->bias, model->fc3->weight.flatten(), model->fc3->bias});

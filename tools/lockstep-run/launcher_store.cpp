@@ -216,7 +216,7 @@ void LauncherStore::job_finished(int attempt) {
   }
 }
 
-bool LauncherStore::left(int attempt, int slot, int incarnation) {
+std::optional<std::string> LauncherStore::left(int attempt, int slot, int incarnation) {
   std::lock_guard<std::mutex> lock(client_mutex_);
   try {
     if (!client_) {
@@ -226,16 +226,22 @@ bool LauncherStore::left(int attempt, int slot, int incarnation) {
     std::string where = "left/" + std::to_string(slot) + "/" + std::to_string(incarnation);
     auto value = client_->get(prefix(attempt) + "/ft/" + where);
     if (!value) {
-      return false;
+      return std::nullopt;
     }
     auto at = value->rfind(kProof);
-    return at != std::string::npos && value->substr(0, at) == "left" &&
-        proven(prefix(attempt) + "/ft/left|" + std::to_string(slot) + "|" +
-                   std::to_string(incarnation) + "|left",
-               value->substr(at + std::string(kProof).size()));
+    if (at == std::string::npos) {
+      return std::nullopt;
+    }
+    auto body = value->substr(0, at);
+    if (!proven(prefix(attempt) + "/ft/left|" + std::to_string(slot) + "|" +
+                    std::to_string(incarnation) + "|" + body,
+                value->substr(at + std::string(kProof).size()))) {
+      return std::nullopt;
+    }
+    return body;
   } catch (const std::exception&) {
     client_.reset();
-    return false;
+    return std::nullopt;
   }
 }
 

@@ -11,6 +11,7 @@
 
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -53,8 +54,10 @@ class LauncherStore {
   void begin_attempt(int attempt);
   /// A rank exited with 0: the loop of the job's attempt ended.
   void job_finished(int attempt);
-  /// Whether `incarnation` of `slot` recorded that it found the loop ended.
-  bool left(int attempt, int slot, int incarnation);
+  /// What `incarnation` of `slot` recorded when it found the loop ended
+  /// (detail::kLeft or detail::kCrashedAfterLoop, its proof checked);
+  /// nullopt if nothing.
+  std::optional<std::string> left(int attempt, int slot, int incarnation);
 
  private:
   void watch();

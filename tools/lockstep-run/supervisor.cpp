@@ -379,9 +379,16 @@ AttemptResult run_attempt(const RunOptions& options, int attempt, int port,
       }
       bool stopped_by_us = stopping && WIFSIGNALED(rank.status) &&
           (WTERMSIG(rank.status) == SIGTERM || WTERMSIG(rank.status) == SIGKILL);
+      // A restarted rank that found the job's loop ended says so in the
+      // store: "left" is no failure; "crashed after the loop" (its earlier
+      // incarnation failed after training to the end) fails the job.
+      std::optional<std::string> left;
+      if (options.restart_rank && rank.incarnation > 0) {
+        left = store.left(attempt, rank.global, rank.incarnation);
+      }
+      bool nothing_to_rejoin = left && *left == "left";
       if (rank.hidden && !stopped_by_us && result.outcome != Outcome::Interrupted &&
-          !(options.restart_rank && rank.incarnation > 0 &&
-            store.left(attempt, rank.global, rank.incarnation))) {
+          !nothing_to_rejoin) {
         drain(rank); // what it said last, shown with its failure
         show_last_lines(rank);
       }
@@ -390,10 +397,14 @@ AttemptResult run_attempt(const RunOptions& options, int attempt, int port,
       }
       std::string failure = "rank " + std::to_string(rank.global) + " " +
           describe_exit(rank.status);
-      if (options.restart_rank && rank.incarnation > 0 &&
-          store.left(attempt, rank.global, rank.incarnation)) {
+      if (nothing_to_rejoin) {
         say(failure + " after it found the job's loop ended: nothing to rejoin");
         continue;
+      }
+      if (left) {
+        failure = "rank " + std::to_string(rank.global) + " (incarnation " +
+            std::to_string(rank.incarnation - 1) + ") failed after the job's loop";
+        finishing = true; // the loop is over: nothing is restarted
       }
       if (options.restart_rank && !finishing && restarts < options.max_restarts) {
         ++restarts;
