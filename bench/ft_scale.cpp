@@ -3,18 +3,16 @@
 // threads and connections of its own, against the real job store, in one
 // process and with no model. Prints one CSV line:
 //
-//   members,latency_ms,heartbeat_ms,idle_ops_per_s,step_ops_per_s,
-//   agree_p50_ms,agree_p99_ms,store_cpu_ms_per_step,exit_detect_ms,
-//   exit_to_epoch_ms,stop_detect_ms,false_failures
+//   members,latency_ms,heartbeat_ms,idle_ops_per_s,want_seen_ms,
+//   exit_detect_ms,exit_to_epoch_ms,stop_detect_ms,false_failures
 //
-//   ft_scale MEMBERS [STEPS=50] [LATENCY_MS=0] [HEARTBEAT_MS=2000]
+//   ft_scale MEMBERS [LATENCY_MS=0] [HEARTBEAT_MS=2000]
 //
-// idle: store operations per second with the members only beating;
-// step: while they agree on steps back to back. agree: from the moment
-// every member may vote until the last one knows the decision, per step;
-// on this machine the N member threads share its cores with the store, so
-// store_cpu (the store thread's CPU time per agreed step) is also given: it
-// is what a step costs the store's host when the members run elsewhere.
+// idle: store operations per second with the members only beating, which
+// is also what training costs the store: a steady step makes no store
+// operation (its verdict is agreed in the step's own world).
+// want_seen: from a rank's note that it asks to join until every member's
+// liveness has it (the members then re-form after their next commit).
 // exit_detect: from a member's process ending (its connection closes)
 // until every other member's liveness shows it; exit_to_epoch: until
 // every survivor knows the next epoch's members. stop_detect: a member
@@ -28,7 +26,6 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -47,52 +44,6 @@ namespace {
 using namespace lockstep;
 using Clock = std::chrono::steady_clock;
 
-double ms_between(Clock::time_point from, Clock::time_point to) {
-  return std::chrono::duration<double, std::milli>(to - from).count();
-}
-
-double percentile(std::vector<double> values, double p) {
-  std::sort(values.begin(), values.end());
-  auto index = static_cast<size_t>(p * static_cast<double>(values.size() - 1) + 0.5);
-  return values[std::min(index, values.size() - 1)];
-}
-
-// Releases every member at once, and waits until all are back.
-class Round {
- public:
-  explicit Round(int members) : members_(members) {}
-  // The coordinator: starts round `round` and waits until all ended it.
-  void run(int round) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      round_ = round;
-      done_ = 0;
-    }
-    started_.notify_all();
-    std::unique_lock<std::mutex> lock(mutex_);
-    ended_.wait(lock, [&] { return done_ == members_; });
-  }
-  // A member: waits for round `round`.
-  void await(int round) {
-    std::unique_lock<std::mutex> lock(mutex_);
-    started_.wait(lock, [&] { return round_ >= round; });
-  }
-  void done() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (++done_ == members_) {
-      ended_.notify_all();
-    }
-  }
-
- private:
-  int members_;
-  std::mutex mutex_;
-  std::condition_variable started_;
-  std::condition_variable ended_;
-  int round_ = -1;
-  int done_ = 0;
-};
-
 struct Member {
   detail::Member me;
   std::shared_ptr<detail::Liveness> liveness;
@@ -101,6 +52,7 @@ struct Member {
   Clock::time_point decided{};
   std::atomic<int64_t> saw_exit_ns{0};
   std::atomic<int64_t> saw_stop_ns{0};
+  std::atomic<int64_t> saw_want_ns{0};
 };
 
 int64_t now_ns() {
@@ -112,13 +64,12 @@ int64_t now_ns() {
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: ft_scale MEMBERS [STEPS] [LATENCY_MS] [HEARTBEAT_MS]\n");
+    std::fprintf(stderr, "usage: ft_scale MEMBERS [LATENCY_MS] [HEARTBEAT_MS]\n");
     return 2;
   }
   int n = std::atoi(argv[1]);
-  int steps = argc > 2 ? std::atoi(argv[2]) : 50;
-  auto latency = std::chrono::milliseconds(argc > 3 ? std::atoi(argv[3]) : 0);
-  auto heartbeat = std::chrono::milliseconds(argc > 4 ? std::atoi(argv[4]) : 2000);
+  auto latency = std::chrono::milliseconds(argc > 2 ? std::atoi(argv[2]) : 0);
+  auto heartbeat = std::chrono::milliseconds(argc > 3 ? std::atoi(argv[3]) : 2000);
   // Three connections a member, and the store's end of each.
   rlimit files{};
   getrlimit(RLIMIT_NOFILE, &files);
@@ -165,7 +116,13 @@ int main(int argc, char** argv) {
   for (auto& member : members) {
     auto* m = member.get();
     m->liveness->on_change([m, exiting, stopped_slot, &false_failures, n](
-                               const std::vector<std::string>&) {
+                               const std::vector<std::string>& notes) {
+      for (const auto& note : notes) {
+        if (note.rfind(detail::kWantNote, 0) == 0) {
+          int64_t zero = 0;
+          m->saw_want_ns.compare_exchange_strong(zero, now_ns());
+        }
+      }
       for (int slot = 0; slot <= n; ++slot) {
         if (!m->liveness->failed(slot, 0)) {
           continue;
@@ -195,40 +152,20 @@ int main(int argc, char** argv) {
   double idle_ops = static_cast<double>(operations() - idle_from) /
       std::chrono::duration<double>(Clock::now() - idle_start).count();
 
-  // Steps, back to back: every member votes as soon as the round starts.
-  Round round(n);
-  std::vector<std::thread> threads;
+  // A steady step makes no store operation (its verdict is agreed in the
+  // step's world): what stepping costs the store is the idle rate above.
+  // A rank that asks to join tells every member by one note.
+  auto want_at = now_ns();
+  observer.note(std::string(detail::kWantNote) + "1");
+  int64_t want_seen = 0;
   for (auto& member : members) {
-    threads.emplace_back([&round, &records, m = member.get(), steps] {
-      for (int step = 0; step < steps; ++step) {
-        round.await(step);
-        m->agreement->decide_step(0, step, m->me, records, "",
-                                  [] { return std::string(); });
-        m->decided = Clock::now();
-        round.done();
-      }
-    });
-  }
-  std::vector<double> agree_ms;
-  auto step_from = operations();
-  auto cpu_from = observer.stats().cpu_us;
-  auto steps_start = Clock::now();
-  for (int step = 0; step < steps; ++step) {
-    auto start = Clock::now();
-    round.run(step);
-    Clock::time_point last = start;
-    for (const auto& member : members) {
-      last = std::max(last, member->decided);
+    auto limit = Clock::now() + std::chrono::seconds(30);
+    while (member->saw_want_ns == 0 && Clock::now() < limit) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
-    agree_ms.push_back(ms_between(start, last));
+    want_seen = std::max(want_seen, member->saw_want_ns.load());
   }
-  double step_ops = static_cast<double>(operations() - step_from) /
-      std::chrono::duration<double>(Clock::now() - steps_start).count();
-  double store_cpu_ms = static_cast<double>(observer.stats().cpu_us - cpu_from) / 1000.0 / steps;
-  for (auto& thread : threads) {
-    thread.join();
-  }
-  threads.clear();
+  std::vector<std::thread> threads;
 
   // A member whose process ends: its connections close.
   auto exit_at = now_ns();
@@ -243,7 +180,7 @@ int main(int argc, char** argv) {
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
       }
       auto me = m.me;
-      me.step = steps;
+      me.step = 1;
       while (true) {
         auto next = m.agreement->next_epoch(me, Clock::now() + std::chrono::minutes(5));
         if (next) {
@@ -284,11 +221,10 @@ int main(int argc, char** argv) {
     }
     stop_seen = std::max(stop_seen, m.saw_stop_ns.load());
   }
-  std::printf("%d,%lld,%lld,%.0f,%.0f,%.2f,%.2f,%.2f,%.1f,%.1f,%.0f,%d\n", n,
+  std::printf("%d,%lld,%lld,%.0f,%.1f,%.1f,%.1f,%.0f,%d\n", n,
               static_cast<long long>(latency.count()), static_cast<long long>(heartbeat.count()),
-              idle_ops, step_ops, percentile(agree_ms, 0.5), percentile(agree_ms, 0.99), store_cpu_ms,
-              (detected - exit_at) / 1e6, (formed - exit_at) / 1e6, (stop_seen - stop_at) / 1e6,
-              false_failures.load());
+              idle_ops, (want_seen - want_at) / 1e6, (detected - exit_at) / 1e6,
+              (formed - exit_at) / 1e6, (stop_seen - stop_at) / 1e6, false_failures.load());
   std::fflush(stdout);
   members.clear();
   server.stop();

@@ -76,22 +76,17 @@ TEST_F(MembershipOverAStore, EpochsAreTotallyOrderedAndAStaleProposalDecidesNoth
   EXPECT_FALSE(b->await_members(2, 10ms).has_value());
 }
 
-TEST_F(MembershipOverAStore, AStepIsDecidedOnceAndItsKeysGoOnceTheNextIsDecided) {
+TEST_F(MembershipOverAStore, TheFirstReasonToGiveAnEpochUpStandsAndItsKeysGoWhenRetired) {
   auto a = membership("");
   auto b = membership("");
-  EXPECT_EQ(a->vote(0, 7, member(0, 7, 0)), 1);
-  EXPECT_EQ(b->vote(0, 7, member(1, 7, 0)), 2);
-  std::thread waiter([&] { EXPECT_EQ(b->await_decision(0, 7, 5s), "commit"); });
-  std::this_thread::sleep_for(50ms);
-  EXPECT_EQ(a->decide_step(0, 7, "commit"), "commit");
-  EXPECT_EQ(b->decide_step(0, 7, "abort late"), "commit") << "the first proposal stands";
-  waiter.join();
   auto keys = client()->num_keys();
-  a->forget_step(0, 7);
-  EXPECT_EQ(client()->num_keys(), keys - 2);
+  EXPECT_EQ(a->abandon(3, "rank 2 failed"), "rank 2 failed");
+  EXPECT_EQ(b->abandon(3, "given up"), "rank 2 failed") << "the first reason stands";
   a->arrive(3, member(0, 9, 2));
+  b->arrive(3, member(1, 9, 2));
+  EXPECT_EQ(a->arrivals(3).size(), 2u);
   a->retire(3);
-  EXPECT_EQ(client()->num_keys(), keys - 2);
+  EXPECT_EQ(client()->num_keys(), keys);
 }
 
 TEST_F(MembershipOverAStore, WithASecretWhatAStoreWriterForgesIsRefusedNotActedOn) {
@@ -103,15 +98,12 @@ TEST_F(MembershipOverAStore, WithASecretWhatAStoreWriterForgesIsRefusedNotActedO
   auto arrivals = rank->arrivals(1);
   ASSERT_EQ(arrivals.size(), 1u);
   EXPECT_EQ(arrivals[0].replica, 0);
-  // A member list with a huge step, a pre-written commit, a reason to give
-  // a world up: each is refused by name.
+  // A member list with a huge step, a reason to give a world up: each is
+  // refused by name.
   forger->decide(detail::Epoch{}, {member(9, 1000000, 0)});
   expect_error<FaultToleranceError>([&] { rank->latest(); },
                                             {"the latest epoch without a valid proof of the job "
                                              "secret: a process without the secret wrote it"});
-  forger->decide_step(4, 12, "commit");
-  expect_error<FaultToleranceError>([&] { rank->decide_step(4, 12, "abort mine"); },
-                                            {"the decision of step 12 without a valid proof"});
   forger->abandon(4, "forged");
   expect_error<FaultToleranceError>([&] { rank->abandon(4, "real"); },
                                             {"without a valid proof"});
@@ -124,19 +116,6 @@ TEST_F(MembershipOverAStore, WithASecretWhatAStoreWriterForgesIsRefusedNotActedO
   EXPECT_FALSE(rank->state_matches(6, 0, 10, "abc", 1s));
 }
 
-TEST_F(MembershipOverAStore, WithASecretAVoteCountedByAWriterCommitsNothing) {
-  auto rank0 = membership("s3cret");
-  auto rank1 = membership("s3cret");
-  auto forger = membership("a-guess");
-  std::vector<Member> members{member(0, 3, 0), member(1, 3, 0)};
-  // The forger counts a vote for rank 1, whose reduction failed: the
-  // count reaches 2 when rank 0 votes, but rank 1's signed vote is not there.
-  forger->vote(0, 3, members[1]);
-  EXPECT_FALSE(rank0->all_voted(0, 3, members, rank0->vote(0, 3, members[0])));
-  // Once rank 1 really votes, every vote verifies.
-  EXPECT_TRUE(rank1->all_voted(0, 3, members, rank1->vote(0, 3, members[1])));
-}
-
 TEST_F(MembershipOverAStore, WithASecretAnOldOrAnotherAttemptsValueIsRefused) {
   auto rank = membership("s3cret");
   auto epoch0 = rank->decide(detail::Epoch{}, {member(0, 0, -1)});
@@ -146,14 +125,14 @@ TEST_F(MembershipOverAStore, WithASecretAnOldOrAnotherAttemptsValueIsRefused) {
   client()->set("lockstep/job/0/ft/epoch", epoch0.stored);
   expect_error<FaultToleranceError>([&] { rank->latest(); },
                                     {"the job's latest epoch went back from 1 to 0"});
-  // A decision signed in attempt 0, copied into attempt 1's keys.
+  // A reason signed in attempt 0, copied into attempt 1's keys.
   auto attempt1 = membership("s3cret", "lockstep/job/1");
-  rank->decide_step(0, 5, "commit");
-  auto decision = client()->get("lockstep/job/0/ft/" + detail::step_key(0, 5, "decision"));
-  ASSERT_TRUE(decision.has_value());
-  client()->set("lockstep/job/1/ft/" + detail::step_key(0, 5, "decision"), *decision);
-  expect_error<FaultToleranceError>([&] { attempt1->decide_step(0, 5, "abort mine"); },
-                                    {"the decision of step 5 without a valid proof"});
+  rank->abandon(0, "rank 1 failed");
+  auto reason = client()->get("lockstep/job/0/ft/" + detail::epoch_key(0, "abandoned"));
+  ASSERT_TRUE(reason.has_value());
+  client()->set("lockstep/job/1/ft/" + detail::epoch_key(0, "abandoned"), *reason);
+  expect_error<FaultToleranceError>([&] { attempt1->abandon(0, "mine"); },
+                                    {"without a valid proof"});
 }
 
 TEST_F(MembershipOverAStore, AnyMemberMarksItsWorldFormedAndTheLineageGoesWithTheEpoch) {

@@ -260,6 +260,31 @@ TEST(FaultTolerance, AStoppedRankIsDroppedAfterTheHeartbeatTimeoutThenRejoins) {
   expect_committed_steps_match(out, 3, reference(300));
 }
 
+// A steady step makes no store operation, with a secret, over either
+// transport: whether it counts is agreed in the step's own world. Counted
+// by the job store itself (its key operations; liveness's beats aside).
+class FaultToleranceSteadyStep : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(FaultToleranceSteadyStep, MakesNoStoreOperation) {
+  ScratchFolder out("ft-steady");
+  auto argv = launch(3, 0);
+  for (std::string arg : {lockstep::testing::elastic_float64_binary(), "150", out.path().c_str()}) {
+    argv.push_back(arg);
+  }
+  auto result = run_process(argv,
+                            {{"LOCKSTEP_TEST_COUNT_STORE", "20:120"},
+                             {"LOCKSTEP_TRANSPORT", GetParam()},
+                             {"LOCKSTEP_JOB_SECRET", "steady"}},
+                            std::chrono::seconds(120));
+  ASSERT_TRUE(result.ok()) << result.status() << "\n" << result.output;
+  EXPECT_NE(result.output.find("elastic_float64: 0 store key operations in 100 steps"),
+            std::string::npos)
+      << result.output;
+  expect_committed_steps_match(out, 3, reference(150));
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, FaultToleranceSteadyStep, ::testing::Values("shm", "gloo"));
+
 // A rank that fails after the loop, before any rank ended, is restarted
 // and finds the loop ended: that restart once covered the failure (exit 0
 // for the job). Its earlier incarnation was in the last world, so the job

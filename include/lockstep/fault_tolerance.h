@@ -118,10 +118,13 @@ class FaultTolerance {
   /// rank asks to join, the ranks form a new world here, and a rank that is
   /// behind receives the live state.
   void begin_step();
-  /// Whether this step counts: the same answer on every rank of world().
-  /// True when every rank of the step's world averaged its gradients; then
-  /// call optimizer.step(). False when a rank failed during the step: no
-  /// rank applies anything, and the buffers are as the step found them.
+  /// Whether this step counts, agreed in the step's own world (no store
+  /// operation): true only where every rank of world() averaged its
+  /// gradients; then call optimizer.step(). False when a rank failed
+  /// during the step: nothing is applied, and the buffers are as the step
+  /// found them. (A rank whose verdict alone failed after the others had
+  /// theirs drops what they commit, and receives their state when the
+  /// world re-forms at once: no replica trains on from another state.)
   bool commit();
   /// commit(), which also sums `sums` (a small CPU tensor of this rank's
   /// figures: its loss summed, the samples it got right, those it saw) over

@@ -25,60 +25,24 @@ bool same_process(const Member& a, const Member& b) {
 Agreement::Agreement(Membership& membership, Liveness& liveness, AgreementOptions options)
     : membership_(membership), liveness_(liveness), options_(options) {}
 
-std::string Agreement::decide_step(int64_t epoch, int64_t step, const Member& me,
-                                   const std::vector<Member>& members,
-                                   const std::string& failure,
-                                   const std::function<std::string()>& verdict) {
-  if (!failure.empty()) {
-    return membership_.decide_step(epoch, step, "abort " + first_line(failure));
-  }
-  // The last member to vote decides; its decision says whether a rank
-  // asked to join, so that every member re-forms at the same step. (With
-  // a secret, a count that a store writer added to commits nothing: each
-  // member's signed vote must be there.)
-  if (membership_.all_voted(epoch, step, members, membership_.vote(epoch, step, me))) {
-    bool joining = membership_.wanted(epoch + 1);
-    auto decision = membership_.decide_step(epoch, step, joining ? "commit reform" : "commit");
-    // Every member voted on this step, so every one has read the last.
-    if (step > 0) {
-      membership_.forget_step(epoch, step - 1);
-    }
-    return decision;
-  }
-  auto start = Clock::now();
-  auto deadline = start + options_.timeout;
-  bool judged = false;
-  for (int look = 0;; ++look) {
-    if (auto decided = membership_.await_decision(epoch, step, kLook)) {
-      return *decided;
-    }
-    std::string why = verdict();
-    // A member stopped while the others went on finds them gone (read now
-    // and then only: a thousand members wait here at every step).
-    if (why.empty() && look % 20 == 19 && membership_.latest().number > epoch) {
-      why = "the others formed a newer world without this rank";
-    }
-    if (why.empty() && !judged && Clock::now() - start >= options_.step_timeout) {
-      // This member finished the step that long ago: those that did not
-      // are hung.
-      judged = true;
-      report_laggards(members, progress_of(step, Phase::Voted), str("finished step ", step));
-    }
-    if (why.empty() && Clock::now() >= deadline) {
-      why = "no decision within FaultToleranceOptions::timeout";
-    }
-    if (!why.empty()) {
-      return membership_.decide_step(epoch, step, "abort " + first_line(why));
-    }
-  }
-}
-
 std::optional<std::pair<int64_t, std::vector<Member>>> Agreement::next_epoch(
     const Member& me, Clock::time_point deadline) {
   auto latest = membership_.latest();
   int64_t target = latest.number + 1;
   membership_.arrive(target, me);
   const auto& expected = latest.members;
+  // The members of the last world come at a failure of their own; a rank
+  // that is not one of them asks them to (they see it at their next
+  // commit), again now and then, as a note may reach a member between two
+  // worlds and go unread.
+  bool asking = std::none_of(expected.begin(), expected.end(),
+                             [&](const Member& m) { return same_process(m, me); });
+  auto ask = [&] {
+    if (asking) {
+      liveness_.note(kWantNote + std::to_string(target));
+    }
+  };
+  ask();
   auto start = Clock::now();
   bool judged = false;
   std::optional<Clock::time_point> state_gone_since;
@@ -100,6 +64,9 @@ std::optional<std::pair<int64_t, std::vector<Member>>> Agreement::next_epoch(
       membership_.await_arrivals(target, live, kLook);
     } else if (auto members = membership_.await_members(target, kLook)) {
       return decided(*members);
+    }
+    if (look % 20 == 19) {
+      ask();
     }
     bool waited_long = Clock::now() - start >= options_.step_timeout;
     // The epoch's key is a copy that a decider which died at once may not

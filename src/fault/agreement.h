@@ -1,8 +1,9 @@
 #pragma once
 
 // The decisions of a fault-tolerant loop, through the job's store
-// (membership.h) and its liveness (world/liveness.h): whether a step
-// counts, and who trains in the next world. FaultTolerance runs them for
+// (membership.h) and its liveness (world/liveness.h): who trains in the
+// next world. (Whether a step counts is decided in the step's own world,
+// fault_tolerance.cpp, off the store.) FaultTolerance runs them for
 // its process; bench/ft_scale runs them for a thousand simulated members,
 // with no model and no world, to measure what they cost at scale.
 
@@ -28,6 +29,11 @@ inline int64_t progress_of(int64_t committed, Phase phase) {
   return committed * 4 + static_cast<int64_t>(phase);
 }
 
+/// The note by which a rank that asks to join tells every watcher at once
+/// ("ft want <epoch>"); the members re-form after the step in which any of
+/// them saw it (agreed inside the step's commit, no store operation).
+constexpr const char* kWantNote = "ft want ";
+
 struct AgreementOptions {
   int min_world_size = 1;
   std::chrono::milliseconds step_timeout{0};
@@ -40,21 +46,13 @@ class Agreement {
 
   Agreement(Membership& membership, Liveness& liveness, AgreementOptions options);
 
-  /// The part of `me` in deciding `step` of `epoch` among `members`:
-  /// `failure` is "" when its reduction held. Returns the decision, the
-  /// same on every member: "commit", "commit reform" (a rank asked to
-  /// join) or "abort <why>". `verdict` says, between looks, why this
-  /// member's world was given up ("" while it stands).
-  std::string decide_step(int64_t epoch, int64_t step, const Member& me,
-                          const std::vector<Member>& members,
-                          const std::string& failure,
-                          const std::function<std::string()>& verdict);
-
   /// Announces `me` for the epoch after the latest and waits until that
   /// epoch is decided: returns its number and members (which may leave
   /// `me` out), or nullopt when the job moved past it (announce again).
   /// One member decides: the live member of the last world with the
-  /// lowest rank, once every member of that world has come or failed.
+  /// lowest rank, once every member of that world has come or failed. A
+  /// rank that is no member of the last world (restarted, or dropped)
+  /// asks the members to come by a note (kWantNote), again now and then.
   std::optional<std::pair<int64_t, std::vector<Member>>> next_epoch(const Member& me,
                                                                    Clock::time_point deadline);
 

@@ -5,6 +5,7 @@
 // another rank gave the world up.
 
 #include <algorithm>
+#include <cstring>
 #include <exception>
 #include <sstream>
 #include <thread>
@@ -228,31 +229,49 @@ bool FaultTolerance::Impl::commit(at::Tensor* sums) {
       failure = e.what();
     }
   }
-  impl.progress(Phase::Voted);
-  auto decision = impl.agreement->decide_step(impl.epoch, impl.committed, impl.me, impl.members,
-                                              failure,
-                                              [&impl] { return impl.verdict(); });
-  if (decision.rfind("commit", 0) == 0) {
-    ++impl.committed;
-    impl.progress(Phase::Between);
-    if (decision == "commit reform") {
-      impl.need_reform = true;
+  if (failure.empty()) {
+    // The step's verdict, with no store operation: a rank whose reduction
+    // failed gives its world up instead of coming here, so this small
+    // all-reduce completes only where every rank's reduction held (where
+    // one fails, the abandonment, or the dead peer's closed connections,
+    // end it on the others). Folded in: how many ranks saw a rank ask to
+    // join, so that every member re-forms after the same step.
+    impl.progress(Phase::Voted);
+    auto joins = at::full({1}, impl.join_asked() ? 1 : 0, at::kLong);
+    try {
+      impl.world.all_reduce(joins);
+    } catch (const CollectiveError& e) {
+      failure = e.what();
+    } catch (const TimeoutError& e) {
+      failure = e.what();
     }
-    return true;
+    if (failure.empty()) {
+      ++impl.committed;
+      impl.progress(Phase::Between);
+      impl.need_reform = joins.item<int64_t>() > 0;
+      return true;
+    }
   }
   impl.need_reform = true;
   impl.progress(Phase::Dropped);
   ++impl.stats.aborted_steps;
   // The others may still wait in this world's collectives: give it up for
-  // every rank at once.
-  detail::give_up(*impl.membership, *impl.liveness, impl.epoch, decision.substr(6));
-  impl.say(detail::str("step ", impl.committed, " is dropped on every rank: ",
-                       decision.substr(6)));
+  // every rank at once. (Where the verdict's all-reduce completed on some
+  // ranks and failed here alone, they have committed the step: this rank
+  // is then behind, and receives their state when the world re-forms.)
+  auto why = detail::give_up(*impl.membership, *impl.liveness, impl.epoch,
+                             detail::first_line(failure));
+  impl.say(detail::str("step ", impl.committed, " is dropped on every rank: ", why));
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < impl.buffers.size(); ++i) {
     impl.buffers[i].copy_(impl.buffers_at_begin[i]);
   }
   return false;
+}
+
+bool FaultTolerance::Impl::join_asked() {
+  std::lock_guard<std::mutex> lock(watch->mutex);
+  return watch->join_asked;
 }
 
 std::string FaultTolerance::Impl::verdict() {
@@ -281,6 +300,7 @@ void FaultTolerance::Impl::watch_world(int64_t number, const std::vector<Member>
   watch->members = decided;
   watch->world = std::move(next);
   watch->verdict.clear();
+  watch->join_asked = false;
 }
 
 void FaultTolerance::Impl::on_liveness(const std::shared_ptr<detail::Watch>& watch,
@@ -289,6 +309,15 @@ void FaultTolerance::Impl::on_liveness(const std::shared_ptr<detail::Watch>& wat
   std::lock_guard<std::mutex> lock(watch->mutex);
   if (!watch->alive || !watch->world || !watch->verdict.empty()) {
     return;
+  }
+  for (const auto& note : notes) {
+    if (note.rfind(detail::kWantNote, 0) == 0) {
+      try {
+        watch->join_asked |= std::stoll(note.substr(std::strlen(detail::kWantNote))) > watch->epoch;
+      } catch (const std::exception&) {
+        // not one of ours
+      }
+    }
   }
   std::string why;
   for (const auto& member : watch->members) {

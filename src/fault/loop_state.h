@@ -44,6 +44,8 @@ struct Watch {
   std::vector<Member> members;
   std::optional<World> world;
   std::string verdict;
+  /// A rank asked to join a later epoch (kWantNote) since this world formed.
+  bool join_asked = false;
 };
 
 } // namespace detail
@@ -118,10 +120,12 @@ struct FaultTolerance::Impl {
     liveness->set_progress(detail::progress_of(committed, phase));
   }
   /// Decides the step (commit() and commit(sums)); `sums`, when given, is
-  /// summed over the step's world in place before the vote.
+  /// summed over the step's world in place before the verdict.
   bool commit(at::Tensor* sums);
   /// Why the current world was given up, or "".
   std::string verdict();
+  /// Whether a rank asked to join since the current world formed.
+  bool join_asked();
   /// From now on the liveness thread watches `next` and its members.
   void watch_world(int64_t epoch, const std::vector<detail::Member>& decided, World next);
   /// Called on the liveness thread when the job's view changes.

@@ -1,6 +1,5 @@
 #include "fault/membership.h"
 
-#include <map>
 #include <sstream>
 
 #include <lockstep/error.h>
@@ -106,9 +105,6 @@ std::string epoch_key(int64_t epoch, const std::string& key) {
   return str("e", epoch, "/", key);
 }
 
-std::string step_key(int64_t epoch, int64_t step, const std::string& key) {
-  return str("e", epoch, "/s", step, "/", key);
-}
 
 Membership::Membership(std::unique_ptr<store::StoreClient> client, const std::string& prefix,
                        Signer signer)
@@ -211,7 +207,7 @@ void Membership::arrive(int64_t epoch, const Member& me) {
   guarded("announced itself", [&] {
     client_->set(prefix_ + epoch_key(epoch, str("arrive/", me.replica)),
                  sign(str("arrive|", epoch), me.to_record()));
-    return client_->add(prefix_ + epoch_key(epoch, "wanting"), 1);
+    return 0;
   });
 }
 
@@ -237,72 +233,6 @@ bool Membership::await_arrivals(int64_t epoch, const std::vector<Member>& member
     keys.push_back(prefix_ + epoch_key(epoch, str("arrive/", member.replica)));
   }
   return guarded("waited for the ranks to come", [&] { return client_->wait(keys, wait); });
-}
-
-bool Membership::wanted(int64_t epoch) {
-  return guarded("looked for ranks to take in",
-                 [&] { return client_->check({prefix_ + epoch_key(epoch, "wanting")}); });
-}
-
-int64_t Membership::vote(int64_t epoch, int64_t step, const Member& me) {
-  return guarded("voted", [&] {
-    if (signer_.secured) {
-      client_->set(prefix_ + step_key(epoch, step, str("vote/", me.replica)),
-                   sign(str("vote|", epoch, "|", step), str(me.replica, ".", me.incarnation)));
-    }
-    return client_->add(prefix_ + step_key(epoch, step, "votes"), 1);
-  });
-}
-
-bool Membership::all_voted(int64_t epoch, int64_t step, const std::vector<Member>& members,
-                           int64_t count) {
-  if (count < static_cast<int64_t>(members.size())) {
-    return false;
-  }
-  if (!signer_.secured) {
-    return true;
-  }
-  auto found = guarded("read the votes", [&] {
-    return client_->get_prefix(prefix_ + step_key(epoch, step, "vote/"));
-  });
-  std::map<std::string, std::string> votes(found.begin(), found.end());
-  for (const auto& member : members) {
-    auto vote = votes.find(prefix_ + step_key(epoch, step, str("vote/", member.replica)));
-    if (vote == votes.end()) {
-      return false;
-    }
-    if (proven_body(str("vote|", epoch, "|", step), vote->second) !=
-        str(member.replica, ".", member.incarnation)) {
-      return false;
-    }
-  }
-  return true;
-}
-
-std::string Membership::decide_step(int64_t epoch, int64_t step, const std::string& decision) {
-  auto key = step_key(epoch, step, "decision");
-  auto stored = guarded("proposed a decision", [&] {
-    return client_->compare_set(prefix_ + key, "", sign(str("step|", epoch, "|", step), decision));
-  });
-  return open(str("step|", epoch, "|", step), "the decision of step " + std::to_string(step), stored);
-}
-
-std::optional<std::string> Membership::await_decision(int64_t epoch, int64_t step,
-                                                      std::chrono::milliseconds wait) {
-  auto value = guarded("waited for a decision", [&] {
-    return client_->wait_get(prefix_ + step_key(epoch, step, "decision"), wait);
-  });
-  if (!value) {
-    return std::nullopt;
-  }
-  return open(str("step|", epoch, "|", step), "the decision of step " + std::to_string(step),
-              *value);
-}
-
-void Membership::forget_step(int64_t epoch, int64_t step) {
-  guarded("cleaned up", [&] {
-    return client_->erase_prefix(prefix_ + step_key(epoch, step, ""));
-  });
 }
 
 std::string Membership::abandon(int64_t epoch, const std::string& why) {

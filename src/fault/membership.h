@@ -1,9 +1,10 @@
 #pragma once
 
 // Who trains, agreed through the job's store (store/server.h). Each world
-// of a fault-tolerant job is an epoch; its members and each of its steps
-// are decided once, by a compare-and-set whose first proposal stands, and
-// every rank reads the same answer.
+// of a fault-tolerant job is an epoch; its members are decided once, by a
+// compare-and-set whose first proposal stands, and every rank reads the
+// same answer. The steps of an epoch make no store operation: whether one
+// counts is agreed in the epoch's own world (fault_tolerance.cpp).
 //
 // Keys, under the job's prefix and "ft/":
 //   epoch                the latest epoch decided, its members and the
@@ -16,11 +17,8 @@
 //                        can lose the mark), and the lineage is E from then
 //   e<E>/members         a copy of epoch E's decision, for those who wait
 //   e<E>/arrive/<slot>   a member record: who wants to train in epoch E
-//   e<E>/wanting         how many asked (the last voter of epoch E-1 sees it)
 //   e<E>/abandoned       why epoch E was given up
 //   e<E>/state           the digest of the live state sent in epoch E
-//   e<E>/s<S>/votes      how many members' reductions of step S held
-//   e<E>/s<S>/decision   "commit", "commit reform" or "abort <why>"
 //   finished             "ended" once a rank exited with 0 (lockstep-run
 //                        writes it): a rank restarted later has nothing to
 //                        rejoin
@@ -28,11 +26,10 @@
 //                        "crashed after the loop": and its earlier
 //                        incarnation was a member of the last world, so it
 //                        failed after the loop (the job fails)
-// Bounded: a step's keys go once the next step is decided, an epoch's two
-// epochs later; the rest is one key each.
+// Bounded: an epoch's keys go two epochs later; the rest is one key each.
 //
 // With a job secret, every value a rank acts on ends with "\nproof HMAC"
-// over what it claims and where (the epoch, the step), bound to the job's
+// over what it claims and where (the epoch), bound to the job's
 // nonce; a value that does not verify is refused with FaultToleranceError,
 // never acted on. Without one, any process that reaches the store could
 // write them (docs/world.md#security).
@@ -131,23 +128,6 @@ class Membership {
   /// the store at the last arrival), at most `wait`.
   bool await_arrivals(int64_t epoch, const std::vector<Member>& members,
                       std::chrono::milliseconds wait);
-  bool wanted(int64_t epoch);
-
-  /// Counts this member's vote (with a secret, also signed under a key of
-  /// its own); returns the votes so far.
-  int64_t vote(int64_t epoch, int64_t step, const Member& me);
-  /// Whether every one of `members` voted on the step: the count alone,
-  /// which any store writer can add to, without a secret; each member's
-  /// signed vote with one.
-  bool all_voted(int64_t epoch, int64_t step, const std::vector<Member>& members, int64_t count);
-  /// Proposes `decision` for the step; returns the decided one.
-  std::string decide_step(int64_t epoch, int64_t step, const std::string& decision);
-  /// The step's decision once made, within `wait`.
-  std::optional<std::string> await_decision(int64_t epoch, int64_t step,
-                                            std::chrono::milliseconds wait);
-  /// Deletes the keys of a step that every member has read.
-  void forget_step(int64_t epoch, int64_t step);
-
   /// Marks `epoch` as given up (the first reason stays); returns it.
   std::string abandon(int64_t epoch, const std::string& why);
   /// Deletes the keys of an epoch that nobody uses any more.
@@ -207,6 +187,5 @@ constexpr const char* kLeft = "left";
 constexpr const char* kCrashedAfterLoop = "crashed after the loop";
 
 std::string epoch_key(int64_t epoch, const std::string& key);
-std::string step_key(int64_t epoch, int64_t step, const std::string& key);
 
 } // namespace lockstep::detail

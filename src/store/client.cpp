@@ -321,6 +321,7 @@ ServerStats StoreClient::stats() {
   stats.operations = in.i64();
   stats.slots = in.i64();
   stats.cpu_us = in.i64();
+  stats.key_operations = in.i64();
   return stats;
 }
 

@@ -100,6 +100,7 @@ struct StoreServer::Impl {
   Clock::time_point next_expiry{};
   std::optional<Clock::time_point> listener_paused_until;
   int64_t operations = 0;
+  int64_t key_operations = 0;
 
   explicit Impl(ServerOptions options_in) : options(std::move(options_in)) {
     std::string error;
@@ -307,6 +308,19 @@ struct StoreServer::Impl {
     auto op = static_cast<Op>(request.u8());
     switch (op) {
       case Op::Ping:
+      case Op::Hello:
+      case Op::Watch:
+      case Op::Report:
+      case Op::Goodbye:
+      case Op::Progress:
+      case Op::Note:
+      case Op::Stats:
+        break;
+      default:
+        ++key_operations;
+    }
+    switch (op) {
+      case Op::Ping:
         send(connection, Writer(0).str(kGreeting).finish());
         return;
       case Op::Set: {
@@ -498,6 +512,7 @@ struct StoreServer::Impl {
                              .i64(operations)
                              .i64(static_cast<int64_t>(liveness.slots()))
                              .i64(thread_cpu_us())
+                             .i64(key_operations)
                              .finish());
         return;
     }

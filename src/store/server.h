@@ -43,6 +43,10 @@ struct ServerStats {
   /// CPU time the store's thread has used, in microseconds: what serving
   /// costs the host that runs it, apart from the clients sharing its cores.
   int64_t cpu_us = 0;
+  /// Of `operations`, those on keys (set, get, add, compare-and-set,
+  /// waits, deletes): all but liveness's hello, beats, reports and notes.
+  /// Fault tolerance's steady step makes none.
+  int64_t key_operations = 0;
 };
 
 class StoreServer {

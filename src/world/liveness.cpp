@@ -105,6 +105,11 @@ void Liveness::run() {
 }
 
 void Liveness::apply(const store::ViewChange& change) {
+  // Held while the callback runs and its copy goes: on_change(nullptr)
+  // returns only after both, so that what the callback holds (a fault
+  // tolerance's watch, and through its world this very Liveness) is never
+  // released on this thread, whose join would then wait for itself.
+  std::lock_guard<std::mutex> calling(callback_mutex_);
   std::function<void(const std::vector<std::string>&)> callback;
   bool changed = false;
   {
@@ -178,6 +183,7 @@ std::optional<int> Liveness::replaced_by() const {
 }
 
 void Liveness::on_change(std::function<void(const std::vector<std::string>&)> callback) {
+  std::lock_guard<std::mutex> calling(callback_mutex_);
   std::lock_guard<std::mutex> lock(mutex_);
   callback_ = std::move(callback);
 }

@@ -70,7 +70,8 @@ class Liveness {
   std::optional<int> replaced_by() const;
 
   /// Called on the liveness thread after each change of the view, with the
-  /// notes posted since the last call. One callback at a time.
+  /// notes posted since the last call. One callback at a time; once
+  /// on_change() returns, the one it replaced is neither running nor held.
   void on_change(std::function<void(const std::vector<std::string>& notes)> callback);
   /// Posts a note to every watcher (store::Op::Note).
   void note(const std::string& text);
@@ -103,6 +104,7 @@ class Liveness {
   std::unique_ptr<store::StoreClient> beating_;
   std::unique_ptr<store::StoreClient> calls_;
   std::mutex calls_mutex_;
+  std::mutex callback_mutex_; // apply()'s call of the callback; on_change()
 
   mutable std::mutex mutex_;
   std::map<int, store::SlotView> view_;

@@ -40,7 +40,9 @@
 
 #include <lockstep/lockstep.h>
 
+#include "store/client.h"
 #include "support/models.h"
+#include "world/epoch_world.h"
 
 namespace {
 
@@ -166,6 +168,17 @@ int train(int argc, char** argv) {
   auto targets = torch::randn({120, 5}, torch::kDouble);
   lockstep::StepSampler sampler(120, lockstep::StepSamplerOptions().global_batch_size(12));
   std::ofstream log(out + "/rank-" + std::to_string(replica) + ".log", std::ios::app);
+  // LOCKSTEP_TEST_COUNT_STORE="FROM:TO": rank 0 says how many key
+  // operations the job's store served (its own statistics) between the
+  // commits of steps FROM and TO.
+  long long count_from = -1, count_to = -1;
+  if (const char* count = std::getenv("LOCKSTEP_TEST_COUNT_STORE")) {
+    std::sscanf(count, "%lld:%lld", &count_from, &count_to);
+  }
+  auto store_counter = replica == 0 && count_from >= 0
+      ? lockstep::detail::WorldAccess::store_client(world)
+      : nullptr;
+  int64_t counted_from = 0;
   while (ft.step() < steps) {
     now_step = ft.step();
     maybe_die("begin");
@@ -185,6 +198,15 @@ int train(int argc, char** argv) {
     auto totals = ft.commit(figures);
     if (!totals) {
       continue;
+    }
+    if (store_counter && ft.step() == count_from) {
+      counted_from = store_counter->stats().key_operations;
+    }
+    if (store_counter && ft.step() == count_to) {
+      std::printf("elastic_float64: %lld store key operations in %lld steps\n",
+                  static_cast<long long>(store_counter->stats().key_operations - counted_from),
+                  count_to - count_from);
+      std::fflush(stdout);
     }
     maybe_die("step");
     scaler.step(optimizer);
