@@ -95,6 +95,10 @@ TEST_F(MembershipOverAStore, WithASecretWhatAStoreWriterForgesIsRefusedNotActedO
   // An arrival that does not verify is never taken in.
   forger->arrive(1, member(9, 1000000, 0));
   rank->arrive(1, member(0, 5, 0));
+  // Nor a valid one copied under another slot's key.
+  auto signed_arrival = client()->get("lockstep/job/0/ft/" + detail::epoch_key(1, "arrive/0"));
+  ASSERT_TRUE(signed_arrival.has_value());
+  client()->set("lockstep/job/0/ft/" + detail::epoch_key(1, "arrive/7"), *signed_arrival);
   auto arrivals = rank->arrivals(1);
   ASSERT_EQ(arrivals.size(), 1u);
   EXPECT_EQ(arrivals[0].replica, 0);

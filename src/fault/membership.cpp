@@ -216,11 +216,16 @@ std::vector<Member> Membership::arrivals(int64_t epoch) {
     return client_->get_prefix(prefix_ + epoch_key(epoch, "arrive/"));
   });
   std::vector<Member> members;
+  const std::string under = prefix_ + epoch_key(epoch, "arrive/");
   for (const auto& [key, value] : found) {
     // An arrival without a valid proof is never taken in (but refuses
-    // nothing: anyone may write one).
+    // nothing: anyone may write one), nor one copied under another slot's
+    // key (the same member twice).
     if (auto body = proven_body(str("arrive|", epoch), value)) {
-      members.push_back(Member::from_record(*body));
+      auto member = Member::from_record(*body);
+      if (key == under + std::to_string(member.replica)) {
+        members.push_back(member);
+      }
     }
   }
   return members;
