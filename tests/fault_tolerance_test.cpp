@@ -285,6 +285,24 @@ TEST_P(FaultToleranceSteadyStep, MakesNoStoreOperation) {
 
 INSTANTIATE_TEST_SUITE_P(Transports, FaultToleranceSteadyStep, ::testing::Values("shm", "gloo"));
 
+// One rank calls commit() while the others sum: every rank names the
+// misuse (the verdict carries what each sums), none meets a collective of
+// another shape.
+TEST(FaultTolerance, RanksThatCommitUnlikeAreRefusedByNameOnEveryRank) {
+  ScratchFolder out("ft-unlike");
+  auto argv = launch(3, 0);
+  for (std::string arg : {lockstep::testing::elastic_float64_binary(), "30", out.path().c_str()}) {
+    argv.push_back(arg);
+  }
+  auto result = run_process(argv, {{"LOCKSTEP_TEST_PLAIN_COMMIT", "1"}},
+                            std::chrono::seconds(120));
+  EXPECT_FALSE(result.ok()) << result.output;
+  EXPECT_EQ(occurrences(result.output, "ft.commit(sums) on some ranks of step 5 and ft.commit() "
+                                       "on others"),
+            3)
+      << result.output;
+}
+
 // A rank that fails after the loop, before any rank ended, is restarted
 // and finds the loop ended: that restart once covered the failure (exit 0
 // for the job). Its earlier incarnation was in the last world, so the job

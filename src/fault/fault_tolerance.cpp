@@ -218,37 +218,51 @@ bool FaultTolerance::Impl::commit(at::Tensor* sums) {
   if (failure.empty()) {
     failure = WorldAccess::broken(impl.world);
   }
-  if (failure.empty() && sums != nullptr) {
-    // In the world that reduced the gradients, before the vote: a rank
-    // that fails here fails the step, so sums are never of a dropped one.
-    try {
-      impl.world.all_reduce(*sums);
-    } catch (const CollectiveError& e) {
-      failure = e.what();
-    } catch (const TimeoutError& e) {
-      failure = e.what();
-    }
-  }
   if (failure.empty()) {
     // The step's verdict, with no store operation: a rank whose reduction
     // failed gives its world up instead of coming here, so this small
     // all-reduce completes only where every rank's reduction held (where
     // one fails, the abandonment, or the dead peer's closed connections,
-    // end it on the others). Folded in: how many ranks saw a rank ask to
-    // join, so that every member re-forms after the same step.
+    // end it on the others). Folded in, under MAX: whether any rank saw a
+    // rank ask to join, so that every member re-forms after the same
+    // step; and what each sums (none, or a shape and type), negated too,
+    // so that every rank sees whether all sum alike before the sums'
+    // own all-reduce, which a rank without sums would meet with nothing.
     impl.progress(Phase::Voted);
-    auto joins = at::full({1}, impl.join_asked() ? 1 : 0, at::kLong);
+    int64_t summing = sums == nullptr
+        ? 0
+        : 1 + sums->numel() * 64 + static_cast<int64_t>(sums->scalar_type());
+    auto verdict = at::tensor({int64_t{impl.join_asked() ? 1 : 0}, summing, -summing}, at::kLong);
     try {
-      impl.world.all_reduce(joins);
+      impl.world.all_reduce(verdict, ReduceOp::Max);
     } catch (const CollectiveError& e) {
       failure = e.what();
     } catch (const TimeoutError& e) {
       failure = e.what();
     }
     if (failure.empty()) {
+      const int64_t* agreed = verdict.data_ptr<int64_t>();
+      LOCKSTEP_ENFORCE(agreed[1] == -agreed[2], UsageError, "ft.commit(sums) on some ranks "
+                       "of step ", impl.committed, " and ft.commit() on others, or sums of "
+                       "another shape or type: every rank of a step calls the same one, with "
+                       "sums of the same shape and type.");
+      if (sums != nullptr) {
+        // A rank that fails here fails the step, so that sums are never
+        // of a dropped one (the others then commit without it, and it is
+        // behind when the world re-forms, as above).
+        try {
+          impl.world.all_reduce(*sums);
+        } catch (const CollectiveError& e) {
+          failure = e.what();
+        } catch (const TimeoutError& e) {
+          failure = e.what();
+        }
+      }
+    }
+    if (failure.empty()) {
       ++impl.committed;
       impl.progress(Phase::Between);
-      impl.need_reform = joins.item<int64_t>() > 0;
+      impl.need_reform = verdict[0].item<int64_t>() > 0;
       return true;
     }
   }

@@ -32,6 +32,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -179,6 +180,8 @@ int train(int argc, char** argv) {
       ? lockstep::detail::WorldAccess::store_client(world)
       : nullptr;
   int64_t counted_from = 0;
+  const char* plain = std::getenv("LOCKSTEP_TEST_PLAIN_COMMIT");
+  int plain_commit = plain ? std::atoi(plain) : -1;
   while (ft.step() < steps) {
     now_step = ft.step();
     maybe_die("begin");
@@ -195,7 +198,16 @@ int train(int argc, char** argv) {
     maybe_die("commit");
     auto figures = torch::stack({error.detach().pow(2).sum(),
                                  torch::tensor(static_cast<double>(index.numel()), torch::kDouble)});
-    auto totals = ft.commit(figures);
+    // LOCKSTEP_TEST_PLAIN_COMMIT=R: launcher rank R calls commit() from
+    // step 5 on while the others sum (a misuse every rank must name).
+    std::optional<torch::Tensor> totals;
+    if (plain_commit == replica && now_step >= 5) {
+      if (ft.commit()) {
+        totals = figures;
+      }
+    } else {
+      totals = ft.commit(figures);
+    }
     if (!totals) {
       continue;
     }
