@@ -270,6 +270,43 @@ TEST_F(AgreementOverAStore, AStaleRankIsNeverTakenForTheLiveState) {
                                     {"every rank that held the trained state has failed"});
 }
 
+TEST_F(AgreementOverAStore, ARankThatDroppedAStepOthersCommittedNeverTrainsOnAlone) {
+  auto& rank0 = add(0, 0, 0);
+  auto& rank1 = add(1, 0, 0);
+  rank0.membership->decide(detail::Epoch{}, {rank0.me, rank1.me});
+  rank0.membership->mark_formed(0);
+  // The verdict of step 29 completed on rank 0 and failed on rank 1 alone:
+  // rank 0 committed 30 steps and trains on (or ends), rank 1 holds 29.
+  rank0.liveness->set_progress(detail::progress_of(30, detail::Phase::Between));
+  rank1.me.step = 29;
+  std::this_thread::sleep_for(kHeartbeat); // a beat carries rank 0's progress
+  std::exception_ptr error;
+  std::thread waiting([&] {
+    try {
+      next_epoch({&rank1});
+    } catch (...) {
+      error = std::current_exception();
+    }
+  });
+  // Rank 0 is alive and never comes: rank 1 neither decides a world of its
+  // own nor judges rank 0 hung (its step_timeout, 2 s, passes).
+  std::this_thread::sleep_for(3s);
+  EXPECT_FALSE(error) << "rank 1 gave up while rank 0, ahead of it, lived";
+  EXPECT_EQ(rank0.membership->latest().number, 0) << "rank 1 decided a world without rank 0";
+  // Rank 0 ends its loop cleanly: rank 1 leaves, and says so.
+  rank0.liveness->goodbye();
+  rank0.liveness->stop();
+  waiting.join();
+  ASSERT_TRUE(error);
+  expect_error<FaultToleranceError>([&] { std::rethrow_exception(error); },
+                                    {"rank 1 dropped step 29 while rank 0 committed it and ended "
+                                     "its loop"});
+  auto left = client()->get("lockstep/job/0/ft/left/1/0");
+  ASSERT_TRUE(left.has_value());
+  EXPECT_EQ(left->substr(0, left->find('\n')), detail::kLeft);
+  EXPECT_EQ(rank0.membership->latest().number, 0);
+}
+
 TEST(LiveState, TheLatestLineageAtItsMostStepsAndAnOlderWorldIsBehindAtTheSameStep) {
   auto m = [](int replica, int64_t step, int64_t trained) {
     Member member;

@@ -165,7 +165,7 @@ TEST_P(FaultToleranceKills, EachFailureCostsOneStepAndTheRunEqualsTheCommittedSt
   }
   // A collective that stalls (none should) then costs a step, named in
   // the log, instead of the test's whole limit. With a secret, so that
-  // every decision is signed and checked (the signed votes too).
+  // every decision is signed and checked.
   auto result = run_process(argv,
                             {{"LOCKSTEP_TEST_KILLS", plan.kills},
                              {"LOCKSTEP_TIMEOUT", "20"},

@@ -269,7 +269,7 @@ TEST_F(StoreLiveness, AGoodbyeIsNoFailureAndNotesReachEveryWatcher) {
   {
     auto leaving = client();
     leaving->hello(3, 0, 10s, "l");
-    leaving->goodbye(3, 0);
+    leaving->goodbye(3, 0, 0);
   }
   auto ended = await_state(*watcher, since, 3, SlotState::Ended, 2s);
   EXPECT_EQ(ended.why, "it ended");

@@ -39,7 +39,12 @@ std::optional<std::pair<int64_t, std::vector<Member>>> Agreement::next_epoch(
                              [&](const Member& m) { return same_process(m, me); });
   auto ask = [&] {
     if (asking) {
-      liveness_.note(kWantNote + std::to_string(target));
+      try {
+        liveness_.note(kWantNote + std::to_string(target));
+      } catch (const std::exception& e) {
+        LOCKSTEP_FAIL(FaultToleranceError, "rank ", me.replica, " lost the job's store while "
+                      "it asked to join: ", e.what());
+      }
     }
   };
   ask();
@@ -65,8 +70,8 @@ std::optional<std::pair<int64_t, std::vector<Member>>> Agreement::next_epoch(
     } else if (auto members = membership_.await_members(target, kLook)) {
       return decided(*members);
     }
-    if (look % 20 == 19) {
-      ask();
+    if (look % 100 == 99) {
+      ask(); // every 5 s: the store keeps the last notes only, for everyone
     }
     bool waited_long = Clock::now() - start >= options_.step_timeout;
     // The epoch's key is a copy that a decider which died at once may not
@@ -119,6 +124,25 @@ std::optional<std::pair<int64_t, std::vector<Member>>> Agreement::next_epoch(
     std::vector<Member> absent; // alive, but not come: in a step still, or hung
     std::copy_if(live.begin(), live.end(), std::back_inserter(absent),
                  [&](const Member& m) { return !arrived(m); });
+    // A member of the last world that committed a step this rank dropped
+    // (its verdict completed where this rank's alone failed) holds a later
+    // state. This rank never decides a world without it, nor judges it
+    // hung: it comes back (this rank then receives its state), or it ends
+    // its loop, and then this rank leaves (its state is not the job's).
+    if (me.step >= 0) {
+      if (auto ahead = passed_by(expected, me)) {
+        if (ahead->state == store::SlotState::Ended) {
+          membership_.left(me.replica, me.incarnation, kLeft);
+          LOCKSTEP_FAIL(FaultToleranceError, "rank ", me.replica, " dropped step ", me.step,
+                        " while rank ", ahead->slot, " committed it and ended its loop: the "
+                        "job's state is the others', and this rank leaves with nothing to "
+                        "rejoin.");
+        }
+        if (Clock::now() < deadline) {
+          continue;
+        }
+      }
+    }
     // Hung: alive, but not come this long after others of the same world
     // came. (A rank that asks to join judges no one: the others are
     // training, and come at their next step.)
@@ -129,8 +153,11 @@ std::optional<std::pair<int64_t, std::vector<Member>>> Agreement::next_epoch(
       continue;
     }
     int64_t lineage = membership_.lineage();
-    bool state_lives = std::any_of(candidates.begin(), candidates.end(),
-                                   [&](const Member& c) { return c.trained == lineage; });
+    // A member that received (or sent) the state a world began from holds
+    // it, whether or not that world was marked formed before it failed.
+    bool state_lives = std::any_of(candidates.begin(), candidates.end(), [&](const Member& c) {
+      return c.step >= 0 && c.trained >= lineage;
+    });
     if (!state_lives && absent.empty() && !candidates.empty() && me.step < 0) {
       // The ranks that held the state may have ended their loop: each
       // exits, and its launcher then records the end. A restarted rank
@@ -170,6 +197,24 @@ std::optional<std::pair<int64_t, std::vector<Member>>> Agreement::next_epoch(
                     "decides it did not (it failed, or lost the job's store, meanwhile).");
     }
   }
+}
+
+std::optional<store::SlotProgress> Agreement::passed_by(const std::vector<Member>& members,
+                                                        const Member& me) {
+  const int64_t beyond = progress_of(me.step + 1, Phase::Between);
+  for (const auto& slot : liveness_.progress()) {
+    if (slot.progress < beyond ||
+        (slot.state != store::SlotState::Alive && slot.state != store::SlotState::Ended)) {
+      continue;
+    }
+    for (const auto& member : members) {
+      if (!same_process(member, me) && member.replica == slot.slot &&
+          member.incarnation == slot.incarnation) {
+        return slot;
+      }
+    }
+  }
+  return std::nullopt;
 }
 
 std::vector<Member> Agreement::report_laggards(const std::vector<Member>& among,

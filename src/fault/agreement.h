@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "fault/membership.h"
+#include "store/liveness_table.h"
 
 namespace lockstep::detail {
 
@@ -63,6 +64,11 @@ class Agreement {
                                       const std::string& what);
 
  private:
+  /// The progress of a member of `members` (alive, or ended cleanly) that
+  /// committed more steps than `me`, if one did.
+  std::optional<store::SlotProgress> passed_by(const std::vector<Member>& members,
+                                               const Member& me);
+
   Membership& membership_;
   Liveness& liveness_;
   AgreementOptions options_;

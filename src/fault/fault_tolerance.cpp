@@ -1,6 +1,6 @@
 // The fault-tolerant loop: begin_step() re-forms the world when it must
-// (reform.cpp), commit() decides each step once for every rank
-// (membership.h), and the job's liveness (world/liveness.h) tells the
+// (reform.cpp), commit() agrees on each step in the step's own world (no
+// store operation), and the job's liveness (world/liveness.h) tells the
 // loop, from its own thread, when a member of the current world failed or
 // another rank gave the world up.
 
@@ -75,8 +75,8 @@ FaultTolerance::FaultTolerance(std::shared_ptr<detail::Guarded> guarded,
           options.trusted_network(),
       ConfigError, "lockstep::FaultTolerance across hosts needs a job secret "
       "(LOCKSTEP_JOB_SECRET, the same on every rank): without one, any process that reaches "
-      "the job's store could forge the decisions the ranks act on (who trains, which steps "
-      "count, whose state a rejoining rank loads). Set one, or "
+      "the job's store could forge the decisions the ranks act on (who trains, whose state a "
+      "rejoining rank loads, whether the loop ended). Set one, or "
       "FaultToleranceOptions::trusted_network(true) on a network you trust.");
   impl.guarded->tolerate_failures();
   impl.guarded_optimizer = std::make_unique<detail::GuardedOptimizer>(optimizer);

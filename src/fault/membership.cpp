@@ -154,7 +154,11 @@ Epoch Membership::latest() {
   }
   auto body = open("epoch", "the latest epoch", *value);
   auto newline = body.find('\n');
-  std::istringstream(body.substr(0, newline)) >> epoch.number >> epoch.lineage;
+  std::istringstream head(body.substr(0, newline));
+  LOCKSTEP_ENFORCE(static_cast<bool>(head >> epoch.number >> epoch.lineage) && epoch.number >= 0,
+                   FaultToleranceError, "the job's store holds a latest epoch that does not "
+                   "read as one (\"", first_line(body), "\"): this rank refuses to act on it "
+                   "and ends.");
   epoch.members = parse_members(newline == std::string::npos ? "" : body.substr(newline + 1));
   epoch.stored = *value;
   LOCKSTEP_ENFORCE(epoch.number >= highest_epoch_, FaultToleranceError, "the job's latest "

@@ -67,6 +67,9 @@ void FaultTolerance::Impl::reform() {
       auto next = form(target, decided);
       watch_world(target, decided, next);
       bring_up_to_date(next, decided, target);
+      // It holds the state this epoch begins from, even if the epoch is
+      // given up below (no step of it commits without this rank).
+      me.trained = target;
       // Before any step of this epoch: from here on its members hold the
       // live state, whichever of them dies next.
       LOCKSTEP_ENFORCE(membership->mark_formed(target), CollectiveError, "epoch ", target,

@@ -297,10 +297,11 @@ void StoreClient::note(const std::string& text) {
   call(Writer(static_cast<uint8_t>(Op::Note)).str(text).finish(), {});
 }
 
-void StoreClient::goodbye(int slot, int incarnation) {
+void StoreClient::goodbye(int slot, int incarnation, int64_t progress) {
   call(Writer(static_cast<uint8_t>(Op::Goodbye))
            .u32(static_cast<uint32_t>(slot))
            .u32(static_cast<uint32_t>(incarnation))
+           .i64(progress)
            .finish(),
        {});
 }

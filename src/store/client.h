@@ -72,8 +72,9 @@ class StoreClient {
                    std::chrono::milliseconds heartbeat_timeout);
   void report(int slot, int incarnation, const std::string& why);
   void note(const std::string& text);
-  /// `incarnation` of `slot` ends cleanly: its end is no failure.
-  void goodbye(int slot, int incarnation);
+  /// `incarnation` of `slot` ends cleanly: its end is no failure; its
+  /// progress stays as this last word says (the last beat may be older).
+  void goodbye(int slot, int incarnation, int64_t progress);
   /// Wakes a call blocked in another thread (it fails with StoreError);
   /// the next call connects afresh.
   void interrupt();

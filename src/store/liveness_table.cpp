@@ -71,12 +71,13 @@ void LivenessTable::lost(int slot, int incarnation, uint64_t owner) {
          "it exited, or lost its connection to the job's store");
 }
 
-void LivenessTable::end(int slot, int incarnation) {
+void LivenessTable::end(int slot, int incarnation, int64_t progress) {
   auto found = entries_.find(slot);
   if (found == entries_.end() || found->second.incarnation != incarnation ||
       found->second.state == SlotState::Ended) {
     return;
   }
+  found->second.progress = progress;
   change(found->second, SlotState::Ended, "it ended");
 }
 

@@ -52,7 +52,7 @@ class LivenessTable {
   /// another connection beats for it since.
   void lost(int slot, int incarnation, uint64_t owner);
   /// It said goodbye: its end is no failure.
-  void end(int slot, int incarnation);
+  void end(int slot, int incarnation, int64_t progress);
   /// Returns whether it changed anything (a process already failed stays
   /// as it is, so that many observers reporting one hang bump once).
   bool report(int slot, int incarnation, const std::string& why);

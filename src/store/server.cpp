@@ -490,7 +490,8 @@ struct StoreServer::Impl {
       }
       case Op::Goodbye: {
         int slot = static_cast<int>(request.u32());
-        liveness.end(slot, static_cast<int>(request.u32()));
+        int incarnation = static_cast<int>(request.u32());
+        liveness.end(slot, incarnation, request.i64());
         send(connection, answer(Status::Ok));
         return;
       }

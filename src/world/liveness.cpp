@@ -45,7 +45,7 @@ void Liveness::stop() {
     if (goodbye_) {
       try {
         std::lock_guard<std::mutex> calls(calls_mutex_);
-        calls_->goodbye(me_.slot, me_.incarnation);
+        calls_->goodbye(me_.slot, me_.incarnation, progress_.load());
       } catch (const std::exception&) {
         // The store is gone: nobody is left to tell.
       }

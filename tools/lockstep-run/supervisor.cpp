@@ -379,11 +379,12 @@ AttemptResult run_attempt(const RunOptions& options, int attempt, int port,
       }
       bool stopped_by_us = stopping && WIFSIGNALED(rank.status) &&
           (WTERMSIG(rank.status) == SIGTERM || WTERMSIG(rank.status) == SIGKILL);
-      // A restarted rank that found the job's loop ended says so in the
-      // store: "left" is no failure; "crashed after the loop" (its earlier
+      // A rank that found the job's loop ended (restarted, or one that
+      // dropped a last step the others committed) says so in the store:
+      // "left" is no failure; "crashed after the loop" (its earlier
       // incarnation failed after training to the end) fails the job.
       std::optional<std::string> left;
-      if (options.restart_rank && rank.incarnation > 0) {
+      if (options.restart_rank) {
         left = store.left(attempt, rank.global, rank.incarnation);
       }
       bool nothing_to_rejoin = left && *left == "left";
@@ -401,7 +402,7 @@ AttemptResult run_attempt(const RunOptions& options, int attempt, int port,
         say(failure + " after it found the job's loop ended: nothing to rejoin");
         continue;
       }
-      if (left) {
+      if (left && rank.incarnation > 0) {
         failure = "rank " + std::to_string(rank.global) + " (incarnation " +
             std::to_string(rank.incarnation - 1) + ") failed after the job's loop";
         finishing = true; // the loop is over: nothing is restarted
