@@ -307,6 +307,29 @@ TEST_F(AgreementOverAStore, ARankThatDroppedAStepOthersCommittedNeverTrainsOnAlo
   EXPECT_EQ(rank0.membership->latest().number, 0);
 }
 
+TEST_F(AgreementOverAStore, ABehindRankDecidesAsSoonAsTheRankAheadOfItComes) {
+  auto& rank0 = add(0, 0, 0);
+  auto& rank1 = add(1, 0, 0);
+  rank0.membership->decide(detail::Epoch{}, {rank0.me, rank1.me});
+  rank0.membership->mark_formed(0);
+  // Rank 0 (the one that decides) dropped step 29; rank 1 committed it,
+  // then its next step failed, and it comes back: rank 0 decides at once
+  // (not at its timeout), and will receive rank 1's state.
+  rank1.liveness->set_progress(detail::progress_of(30, detail::Phase::Dropped));
+  rank0.me.step = 29;
+  rank1.me.step = 30;
+  std::this_thread::sleep_for(kHeartbeat);
+  auto start = std::chrono::steady_clock::now();
+  auto decided = next_epoch({&rank0, &rank1});
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 2s) << "waited past the step timeout";
+  for (const auto& epoch : decided) {
+    ASSERT_TRUE(epoch.has_value());
+    EXPECT_EQ(epoch->first, 1);
+    ASSERT_EQ(epoch->second.size(), 2u);
+    EXPECT_EQ(detail::live_state_source(epoch->second), 1);
+  }
+}
+
 TEST(LiveState, TheLatestLineageAtItsMostStepsAndAnOlderWorldIsBehindAtTheSameStep) {
   auto m = [](int replica, int64_t step, int64_t trained) {
     Member member;

@@ -126,11 +126,16 @@ std::optional<std::pair<int64_t, std::vector<Member>>> Agreement::next_epoch(
                  [&](const Member& m) { return !arrived(m); });
     // A member of the last world that committed a step this rank dropped
     // (its verdict completed where this rank's alone failed) holds a later
-    // state. This rank never decides a world without it, nor judges it
-    // hung: it comes back (this rank then receives its state), or it ends
-    // its loop, and then this rank leaves (its state is not the job's).
-    if (me.step >= 0) {
-      if (auto ahead = passed_by(expected, me)) {
+    // state. Until it has come, this rank never decides a world without
+    // it, nor judges it hung: it comes back (this rank then receives its
+    // state), or it ends its loop, and then this rank leaves (its state is
+    // not the job's); if neither happens within the timeout, this rank
+    // ends (a restart then receives the state).
+    std::vector<Member> not_come;
+    std::copy_if(expected.begin(), expected.end(), std::back_inserter(not_come),
+                 [&](const Member& m) { return !arrived(m) && !same_process(m, me); });
+    if (me.step >= 0 && !not_come.empty()) {
+      if (auto ahead = passed_by(not_come, me)) {
         if (ahead->state == store::SlotState::Ended) {
           membership_.left(me.replica, me.incarnation, kLeft);
           LOCKSTEP_FAIL(FaultToleranceError, "rank ", me.replica, " dropped step ", me.step,
@@ -138,9 +143,12 @@ std::optional<std::pair<int64_t, std::vector<Member>>> Agreement::next_epoch(
                         "job's state is the others', and this rank leaves with nothing to "
                         "rejoin.");
         }
-        if (Clock::now() < deadline) {
-          continue;
-        }
+        LOCKSTEP_ENFORCE(Clock::now() < deadline, FaultToleranceError, "rank ", me.replica,
+                         " dropped step ", me.step, " while rank ", ahead->slot, " committed "
+                         "it, and rank ", ahead->slot, " neither came back nor ended within "
+                         "FaultToleranceOptions::timeout (", seconds(options_.timeout), "): "
+                         "this rank ends rather than train on from an older state.");
+        continue;
       }
     }
     // Hung: alive, but not come this long after others of the same world
@@ -202,7 +210,14 @@ std::optional<std::pair<int64_t, std::vector<Member>>> Agreement::next_epoch(
 std::optional<store::SlotProgress> Agreement::passed_by(const std::vector<Member>& members,
                                                         const Member& me) {
   const int64_t beyond = progress_of(me.step + 1, Phase::Between);
-  for (const auto& slot : liveness_.progress()) {
+  std::vector<store::SlotProgress> slots;
+  try {
+    slots = liveness_.progress();
+  } catch (const std::exception& e) {
+    LOCKSTEP_FAIL(FaultToleranceError, "rank ", me.replica, " lost the job's store while it "
+                  "read the others' progress: ", e.what());
+  }
+  for (const auto& slot : slots) {
     if (slot.progress < beyond ||
         (slot.state != store::SlotState::Alive && slot.state != store::SlotState::Ended)) {
       continue;

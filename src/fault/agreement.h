@@ -65,7 +65,7 @@ class Agreement {
 
  private:
   /// The progress of a member of `members` (alive, or ended cleanly) that
-  /// committed more steps than `me`, if one did.
+  /// committed more steps than `me`, if one did (one store read).
   std::optional<store::SlotProgress> passed_by(const std::vector<Member>& members,
                                                const Member& me);
 

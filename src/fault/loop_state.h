@@ -6,6 +6,7 @@
 // that joins (reform.cpp).
 
 #include <chrono>
+#include <exception>
 #include <iostream>
 #include <memory>
 #include <mutex>
@@ -107,6 +108,13 @@ struct FaultTolerance::Impl {
       liveness->on_change(nullptr);
       std::lock_guard<std::mutex> lock(watch->mutex);
       watch->alive = false;
+    }
+    // A loop that ended without an error is a clean end of this process,
+    // even where its first world was given up (which the world's own close
+    // takes for a failure): the goodbye, with the final progress, tells a
+    // rank that dropped a step this one committed to leave, not train on.
+    if (liveness && std::uncaught_exceptions() == 0) {
+      liveness->goodbye();
     }
   }
 
