@@ -196,6 +196,18 @@ class AgreementOverAStore : public MembershipOverAStore {
         *sim.membership, *sim.liveness, detail::AgreementOptions{1, 2s, 10s});
     return sim;
   }
+  // `ranks` members, in epoch 0 (decided and formed).
+  std::vector<Simulated*> in_epoch_zero(int ranks) {
+    std::vector<Simulated*> sims;
+    std::vector<Member> records;
+    for (int rank = 0; rank < ranks; ++rank) {
+      sims.push_back(&add(rank, 0, 0));
+      records.push_back(sims.back()->me);
+    }
+    sims[0]->membership->decide(detail::Epoch{}, records);
+    sims[0]->membership->mark_formed(0);
+    return sims;
+  }
   // The next epoch as `sims` decide it together, each on a thread.
   std::vector<std::optional<std::pair<int64_t, std::vector<Member>>>> next_epoch(
       const std::vector<Simulated*>& sims) {
@@ -226,11 +238,10 @@ class AgreementOverAStore : public MembershipOverAStore {
 };
 
 TEST_F(AgreementOverAStore, TheLiveStateOutlivesTheDeathOfAnyMemberOnceItsWorldFormed) {
-  auto& rank0 = add(0, 0, 0);
-  auto& rank1 = add(1, 0, 0);
-  auto& rank2 = add(2, 0, 0);
-  rank0.membership->decide(detail::Epoch{}, {rank0.me, rank1.me, rank2.me});
-  rank0.membership->mark_formed(0);
+  auto sims = in_epoch_zero(3);
+  auto& rank0 = *sims[0];
+  auto& rank1 = *sims[1];
+  auto& rank2 = *sims[2];
   auto one = rank0.membership->decide(rank0.membership->latest(), {rank0.me, rank1.me, rank2.me});
   ASSERT_EQ(one.number, 1);
   // Epoch 1 formed; rank 0, its old only writer of the lineage, dies
@@ -252,11 +263,10 @@ TEST_F(AgreementOverAStore, TheLiveStateOutlivesTheDeathOfAnyMemberOnceItsWorldF
 }
 
 TEST_F(AgreementOverAStore, AStaleRankIsNeverTakenForTheLiveState) {
-  auto& rank0 = add(0, 0, 0);
-  auto& rank1 = add(1, 0, 0);
-  auto& rank2 = add(2, 0, 0);
-  rank0.membership->decide(detail::Epoch{}, {rank0.me, rank1.me, rank2.me});
-  rank0.membership->mark_formed(0);
+  auto sims = in_epoch_zero(3);
+  auto& rank0 = *sims[0];
+  auto& rank1 = *sims[1];
+  auto& rank2 = *sims[2];
   // Rank 2 was stopped at step 5 of epoch 0; ranks 0 and 1 formed epoch 1
   // without it, trained, and both died. Rank 2's state is older than the
   // job's: it must not become the live state.
@@ -271,10 +281,9 @@ TEST_F(AgreementOverAStore, AStaleRankIsNeverTakenForTheLiveState) {
 }
 
 TEST_F(AgreementOverAStore, ARankThatDroppedAStepOthersCommittedNeverTrainsOnAlone) {
-  auto& rank0 = add(0, 0, 0);
-  auto& rank1 = add(1, 0, 0);
-  rank0.membership->decide(detail::Epoch{}, {rank0.me, rank1.me});
-  rank0.membership->mark_formed(0);
+  auto sims = in_epoch_zero(2);
+  auto& rank0 = *sims[0];
+  auto& rank1 = *sims[1];
   // The verdict of step 29 completed on rank 0 and failed on rank 1 alone:
   // rank 0 committed 30 steps and trains on (or ends), rank 1 holds 29.
   rank0.liveness->set_progress(detail::progress_of(30, detail::Phase::Between));
@@ -308,10 +317,9 @@ TEST_F(AgreementOverAStore, ARankThatDroppedAStepOthersCommittedNeverTrainsOnAlo
 }
 
 TEST_F(AgreementOverAStore, ABehindRankDecidesAsSoonAsTheRankAheadOfItComes) {
-  auto& rank0 = add(0, 0, 0);
-  auto& rank1 = add(1, 0, 0);
-  rank0.membership->decide(detail::Epoch{}, {rank0.me, rank1.me});
-  rank0.membership->mark_formed(0);
+  auto sims = in_epoch_zero(2);
+  auto& rank0 = *sims[0];
+  auto& rank1 = *sims[1];
   // Rank 0 (the one that decides) dropped step 29; rank 1 committed it,
   // then its next step failed, and it comes back: rank 0 decides at once
   // (not at its timeout), and will receive rank 1's state.

@@ -146,6 +146,18 @@ std::vector<std::string> launch(int ranks, int restarts) {
           "rank", "--max-restarts", std::to_string(restarts), "--"};
 }
 
+// elastic_float64 under lockstep-run --restart rank: STEPS, OUT_DIR and
+// the pause after each step.
+std::vector<std::string> elastic_job(int ranks, int restarts, int64_t steps,
+                                     const ScratchFolder& out, int pause_ms) {
+  auto argv = launch(ranks, restarts);
+  for (std::string arg : {std::string(lockstep::testing::elastic_float64_binary()),
+                          std::to_string(steps), out.path(), std::to_string(pause_ms)}) {
+    argv.push_back(arg);
+  }
+  return argv;
+}
+
 struct KillPlan {
   int ranks;
   /// LOCKSTEP_TEST_KILLS of elastic_float64.
@@ -159,10 +171,7 @@ TEST_P(FaultToleranceKills, EachFailureCostsOneStepAndTheRunEqualsTheCommittedSt
   const auto& plan = GetParam();
   ScratchFolder out("ft-kills");
   constexpr int64_t kSteps = 300;
-  auto argv = launch(plan.ranks, plan.killed);
-  for (std::string arg : {std::string(lockstep::testing::elastic_float64_binary()), std::to_string(kSteps), out.path(), std::string("10")}) {
-    argv.push_back(arg);
-  }
+  auto argv = elastic_job(plan.ranks, plan.killed, kSteps, out, 10);
   // A collective that stalls (none should) then costs a step, named in
   // the log, instead of the test's whole limit. With a secret, so that
   // every decision is signed and checked.
@@ -224,10 +233,7 @@ int read_pid(const std::string& path) {
 
 TEST(FaultTolerance, AStoppedRankIsDroppedAfterTheHeartbeatTimeoutThenRejoins) {
   ScratchFolder out("ft-stop");
-  auto argv = launch(3, 0);
-  for (std::string arg : {lockstep::testing::elastic_float64_binary(), "300", out.path().c_str(), "10"}) {
-    argv.push_back(arg);
-  }
+  auto argv = elastic_job(3, 0, 300, out, 10);
   Process job(argv, {});
   auto deadline = Clock::now() + std::chrono::seconds(120);
   wait_for_lines(out / "rank-2.log", 20, deadline); // rank 2 committed a few steps
@@ -267,10 +273,7 @@ class FaultToleranceSteadyStep : public ::testing::TestWithParam<std::string> {}
 
 TEST_P(FaultToleranceSteadyStep, MakesNoStoreOperation) {
   ScratchFolder out("ft-steady");
-  auto argv = launch(3, 0);
-  for (std::string arg : {lockstep::testing::elastic_float64_binary(), "150", out.path().c_str()}) {
-    argv.push_back(arg);
-  }
+  auto argv = elastic_job(3, 0, 150, out, 0);
   auto result = run_process(argv,
                             {{"LOCKSTEP_TEST_COUNT_STORE", "20:120"},
                              {"LOCKSTEP_TRANSPORT", GetParam()},
@@ -290,10 +293,7 @@ INSTANTIATE_TEST_SUITE_P(Transports, FaultToleranceSteadyStep, ::testing::Values
 // another shape.
 TEST(FaultTolerance, RanksThatCommitUnlikeAreRefusedByNameOnEveryRank) {
   ScratchFolder out("ft-unlike");
-  auto argv = launch(3, 0);
-  for (std::string arg : {lockstep::testing::elastic_float64_binary(), "30", out.path().c_str()}) {
-    argv.push_back(arg);
-  }
+  auto argv = elastic_job(3, 0, 30, out, 0);
   auto result = run_process(argv, {{"LOCKSTEP_TEST_PLAIN_COMMIT", "1"}},
                             std::chrono::seconds(120));
   EXPECT_FALSE(result.ok()) << result.output;
@@ -309,10 +309,7 @@ TEST(FaultTolerance, RanksThatCommitUnlikeAreRefusedByNameOnEveryRank) {
 // fails, and says why.
 TEST(FaultTolerance, ARankThatFailsAfterTheLoopFailsTheJobThoughItEndsFirst) {
   ScratchFolder out("ft-after-loop");
-  auto argv = launch(3, 2);
-  for (std::string arg : {lockstep::testing::elastic_float64_binary(), "30", out.path().c_str()}) {
-    argv.push_back(arg);
-  }
+  auto argv = elastic_job(3, 2, 30, out, 0);
   auto result = run_process(argv, {{"LOCKSTEP_TEST_KILLS", "1:0:0:end"}},
                             std::chrono::seconds(120));
   EXPECT_FALSE(result.ok()) << result.output;
@@ -414,11 +411,7 @@ class StoreOutlivesRankZero : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(StoreOutlivesRankZero, UnderTheLauncher) {
   ScratchFolder out("ft-store");
-  auto argv = launch(2, 1);
-  for (std::string arg : {std::string(lockstep::testing::elastic_float64_binary()), std::string("150"), out.path(),
-                          std::string("10")}) {
-    argv.push_back(arg);
-  }
+  auto argv = elastic_job(2, 1, 150, out, 10);
   Process job(argv, {{"LOCKSTEP_TEST_KILLS", "0:0:20:forward"}, {"LOCKSTEP_STORE", GetParam()},
                      {"LOCKSTEP_TIMEOUT", "20"}});
   auto deadline = Clock::now() + std::chrono::seconds(120);
@@ -436,16 +429,6 @@ TEST_P(StoreOutlivesRankZero, UnderTheLauncher) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Stores, StoreOutlivesRankZero, ::testing::Values("file", "tcp"));
-
-std::vector<std::string> elastic_job(int ranks, int restarts, int64_t steps,
-                                     const ScratchFolder& out, int pause_ms) {
-  auto argv = launch(ranks, restarts);
-  for (std::string arg : {std::string(lockstep::testing::elastic_float64_binary()), std::to_string(steps), out.path(),
-                          std::to_string(pause_ms)}) {
-    argv.push_back(arg);
-  }
-  return argv;
-}
 
 // A rank whose training thread hangs still beats (its heartbeat has a
 // thread of its own): the others find it short of the step they finished

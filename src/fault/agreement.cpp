@@ -2,11 +2,11 @@
 
 #include <algorithm>
 #include <iterator>
-#include <limits>
 
 #include <lockstep/error.h>
 
 #include "common/wording.h"
+#include "fault/store_guarded.h"
 #include "world/liveness.h"
 
 namespace lockstep::detail {
@@ -39,12 +39,7 @@ std::optional<std::pair<int64_t, std::vector<Member>>> Agreement::next_epoch(
                              [&](const Member& m) { return same_process(m, me); });
   auto ask = [&] {
     if (asking) {
-      try {
-        liveness_.note(kWantNote + std::to_string(target));
-      } catch (const std::exception& e) {
-        LOCKSTEP_FAIL(FaultToleranceError, "rank ", me.replica, " lost the job's store while "
-                      "it asked to join: ", e.what());
-      }
+      store_guarded("asked to join", [&] { liveness_.note(kWantNote + std::to_string(target)); });
     }
   };
   ask();
@@ -156,8 +151,7 @@ std::optional<std::pair<int64_t, std::vector<Member>>> Agreement::next_epoch(
     // training, and come at their next step.)
     if (waited_long && !judged && !absent.empty() && absent.size() < live.size()) {
       judged = true;
-      report_laggards(absent, std::numeric_limits<int64_t>::max(),
-                      str("come back for epoch ", target));
+      report_laggards(absent, str("come back for epoch ", target));
       continue;
     }
     int64_t lineage = membership_.lineage();
@@ -210,21 +204,14 @@ std::optional<std::pair<int64_t, std::vector<Member>>> Agreement::next_epoch(
 std::optional<store::SlotProgress> Agreement::passed_by(const std::vector<Member>& members,
                                                         const Member& me) {
   const int64_t beyond = progress_of(me.step + 1, Phase::Between);
-  std::vector<store::SlotProgress> slots;
-  try {
-    slots = liveness_.progress();
-  } catch (const std::exception& e) {
-    LOCKSTEP_FAIL(FaultToleranceError, "rank ", me.replica, " lost the job's store while it "
-                  "read the others' progress: ", e.what());
-  }
+  auto slots = store_guarded("read the others' progress", [&] { return liveness_.progress(); });
   for (const auto& slot : slots) {
     if (slot.progress < beyond ||
         (slot.state != store::SlotState::Alive && slot.state != store::SlotState::Ended)) {
       continue;
     }
     for (const auto& member : members) {
-      if (!same_process(member, me) && member.replica == slot.slot &&
-          member.incarnation == slot.incarnation) {
+      if (member.replica == slot.slot && member.incarnation == slot.incarnation) {
         return slot;
       }
     }
@@ -233,13 +220,13 @@ std::optional<store::SlotProgress> Agreement::passed_by(const std::vector<Member
 }
 
 std::vector<Member> Agreement::report_laggards(const std::vector<Member>& among,
-                                               int64_t progress, const std::string& what) {
+                                               const std::string& what) {
   std::vector<Member> laggards;
   auto seen = liveness_.progress();
   for (const auto& member : among) {
     for (const auto& slot : seen) {
       if (slot.slot == member.replica && slot.incarnation == member.incarnation &&
-          slot.state == store::SlotState::Alive && slot.progress < progress) {
+          slot.state == store::SlotState::Alive) {
         laggards.push_back(member);
         liveness_.report(member.replica, member.incarnation,
                          str("it has not ", what, " for ", seconds(slot.still_for),

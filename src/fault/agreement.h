@@ -57,11 +57,9 @@ class Agreement {
   std::optional<std::pair<int64_t, std::vector<Member>>> next_epoch(const Member& me,
                                                                    Clock::time_point deadline);
 
-  /// Reports the live members of `among` that the store shows short of
-  /// `progress` as hung, saying that they have not done `what`; returns
-  /// them.
-  std::vector<Member> report_laggards(const std::vector<Member>& among, int64_t progress,
-                                      const std::string& what);
+  /// Reports the members of `among` that the store shows alive as hung,
+  /// saying that they have not done `what`; returns them.
+  std::vector<Member> report_laggards(const std::vector<Member>& among, const std::string& what);
 
  private:
   /// The progress of a member of `members` (alive, or ended cleanly) that

@@ -233,13 +233,18 @@ bool FaultTolerance::Impl::commit(at::Tensor* sums) {
         ? 0
         : 1 + sums->numel() * 64 + static_cast<int64_t>(sums->scalar_type());
     auto verdict = at::tensor({int64_t{impl.join_asked() ? 1 : 0}, summing, -summing}, at::kLong);
-    try {
-      impl.world.all_reduce(verdict, ReduceOp::Max);
-    } catch (const CollectiveError& e) {
-      failure = e.what();
-    } catch (const TimeoutError& e) {
-      failure = e.what();
-    }
+    // A collective that fails fails the step: its reason, or "".
+    auto reduce = [&impl](at::Tensor& tensor, ReduceOp op) -> std::string {
+      try {
+        impl.world.all_reduce(tensor, op);
+      } catch (const CollectiveError& e) {
+        return e.what();
+      } catch (const TimeoutError& e) {
+        return e.what();
+      }
+      return "";
+    };
+    failure = reduce(verdict, ReduceOp::Max);
     if (failure.empty()) {
       const int64_t* agreed = verdict.data_ptr<int64_t>();
       LOCKSTEP_ENFORCE(agreed[1] == -agreed[2], UsageError, "ft.commit(sums) on some ranks "
@@ -250,13 +255,7 @@ bool FaultTolerance::Impl::commit(at::Tensor* sums) {
         // A rank that fails here fails the step, so that sums are never
         // of a dropped one (the others then commit without it, and it is
         // behind when the world re-forms, as above).
-        try {
-          impl.world.all_reduce(*sums);
-        } catch (const CollectiveError& e) {
-          failure = e.what();
-        } catch (const TimeoutError& e) {
-          failure = e.what();
-        }
+        failure = reduce(*sums, ReduceOp::Sum);
       }
     }
     if (failure.empty()) {

@@ -5,29 +5,13 @@
 #include <lockstep/error.h>
 
 #include "common/wording.h"
+#include "fault/store_guarded.h"
 #include "store/client.h"
 
 namespace lockstep::detail {
 namespace {
 
 constexpr const char* kProof = "\nproof ";
-
-// A store that does not answer within its timeout (its host cut off, or
-// gone) leaves this rank unable to agree on anything: it ends, and
-// lockstep-run --restart rank restarts it to rejoin once the store answers.
-template <typename Operation>
-auto guarded(const char* what, Operation operation) {
-  try {
-    return operation();
-  } catch (const Error&) {
-    throw;
-  } catch (const std::exception& e) {
-    LOCKSTEP_FAIL(FaultToleranceError, "this rank lost the job's store while it ", what,
-                  ", so it can no longer agree with the others on who trains; it ends, and "
-                  "lockstep-run --restart rank restarts it to rejoin once the store answers.\n"
-                  "  cause: ", e.what());
-  }
-}
 
 std::vector<Member> parse_members(const std::string& text) {
   std::vector<Member> members;
@@ -105,7 +89,6 @@ std::string epoch_key(int64_t epoch, const std::string& key) {
   return str("e", epoch, "/", key);
 }
 
-
 Membership::Membership(std::unique_ptr<store::StoreClient> client, const std::string& prefix,
                        Signer signer)
     : client_(std::move(client)), prefix_(prefix + "/ft/"), signer_(std::move(signer)) {}
@@ -147,7 +130,8 @@ std::string Membership::open(const std::string& what, const std::string& key,
 }
 
 Epoch Membership::latest() {
-  auto value = guarded("read the latest epoch", [&] { return client_->get(prefix_ + "epoch"); });
+  auto value =
+      store_guarded("read the latest epoch", [&] { return client_->get(prefix_ + "epoch"); });
   Epoch epoch;
   if (!value) {
     return epoch;
@@ -181,7 +165,7 @@ std::string Membership::epoch_value(int64_t number, int64_t lineage,
 Epoch Membership::decide(const Epoch& after, const std::vector<Member>& members) {
   int64_t number = after.number + 1;
   auto value = epoch_value(number, after.formed() ? after.number : after.lineage, members);
-  guarded("proposed a world", [&] {
+  store_guarded("proposed a world", [&] {
     auto stored = client_->compare_set(prefix_ + "epoch", after.stored, value);
     if (stored == value) {
       // For those who wait on this epoch's key.
@@ -195,8 +179,8 @@ Epoch Membership::decide(const Epoch& after, const std::vector<Member>& members)
 std::optional<std::vector<Member>> Membership::await_members(int64_t epoch,
                                                              std::chrono::milliseconds wait) {
   auto key = epoch_key(epoch, "members");
-  auto value = guarded("waited for a world",
-                       [&] { return client_->wait_get(prefix_ + key, wait); });
+  auto value = store_guarded("waited for a world",
+                             [&] { return client_->wait_get(prefix_ + key, wait); });
   if (!value) {
     return std::nullopt;
   }
@@ -208,7 +192,7 @@ std::optional<std::vector<Member>> Membership::await_members(int64_t epoch,
 }
 
 void Membership::arrive(int64_t epoch, const Member& me) {
-  guarded("announced itself", [&] {
+  store_guarded("announced itself", [&] {
     client_->set(prefix_ + epoch_key(epoch, str("arrive/", me.replica)),
                  sign(str("arrive|", epoch), me.to_record()));
     return 0;
@@ -216,7 +200,7 @@ void Membership::arrive(int64_t epoch, const Member& me) {
 }
 
 std::vector<Member> Membership::arrivals(int64_t epoch) {
-  auto found = guarded("looked for the ranks that arrived", [&] {
+  auto found = store_guarded("looked for the ranks that arrived", [&] {
     return client_->get_prefix(prefix_ + epoch_key(epoch, "arrive/"));
   });
   std::vector<Member> members;
@@ -241,11 +225,11 @@ bool Membership::await_arrivals(int64_t epoch, const std::vector<Member>& member
   for (const auto& member : members) {
     keys.push_back(prefix_ + epoch_key(epoch, str("arrive/", member.replica)));
   }
-  return guarded("waited for the ranks to come", [&] { return client_->wait(keys, wait); });
+  return store_guarded("waited for the ranks to come", [&] { return client_->wait(keys, wait); });
 }
 
 std::string Membership::abandon(int64_t epoch, const std::string& why) {
-  auto stored = guarded("gave its world up", [&] {
+  auto stored = store_guarded("gave its world up", [&] {
     return client_->compare_set(prefix_ + epoch_key(epoch, "abandoned"), "",
                                 sign(str("abandon|", epoch), why));
   });
@@ -255,14 +239,16 @@ std::string Membership::abandon(int64_t epoch, const std::string& why) {
 
 void Membership::retire(int64_t epoch) {
   if (epoch >= 0) {
-    guarded("cleaned up", [&] { return client_->erase_prefix(prefix_ + epoch_key(epoch, "")); });
+    store_guarded("cleaned up",
+                  [&] { return client_->erase_prefix(prefix_ + epoch_key(epoch, "")); });
   }
 }
 
 std::vector<int64_t> Membership::retire_through(int64_t epoch) {
   // From where the last one stopped: a rank 0 that died before it
   // retired, or an epoch that never formed, leaves nothing behind for long.
-  auto value = guarded("read what was retired", [&] { return client_->get(prefix_ + "retired"); });
+  auto value =
+      store_guarded("read what was retired", [&] { return client_->get(prefix_ + "retired"); });
   int64_t from = 0;
   if (value) {
     try {
@@ -277,7 +263,7 @@ std::vector<int64_t> Membership::retire_through(int64_t epoch) {
     retired.push_back(e);
   }
   if (!retired.empty()) {
-    guarded("noted what was retired", [&] {
+    store_guarded("noted what was retired", [&] {
       client_->set(prefix_ + "retired", std::to_string(epoch));
       return 0;
     });
@@ -287,7 +273,7 @@ std::vector<int64_t> Membership::retire_through(int64_t epoch) {
 
 void Membership::announce_state(int64_t epoch, int source, int64_t step,
                                 const std::string& digest) {
-  guarded("announced the live state", [&] {
+  store_guarded("announced the live state", [&] {
     client_->set(prefix_ + epoch_key(epoch, "state"),
                  sign(str("state|", epoch), str(source, " ", step, " ", digest)));
     return 0;
@@ -296,7 +282,7 @@ void Membership::announce_state(int64_t epoch, int source, int64_t step,
 
 bool Membership::state_matches(int64_t epoch, int source, int64_t step,
                                const std::string& digest, std::chrono::milliseconds wait) {
-  auto value = guarded("checked the live state", [&] {
+  auto value = store_guarded("checked the live state", [&] {
     return client_->wait_get(prefix_ + epoch_key(epoch, "state"), wait);
   });
   if (!value) {
@@ -318,7 +304,7 @@ bool Membership::mark_formed(int64_t epoch) {
       return true;
     }
     auto value = epoch_value(epoch, epoch, now.members);
-    guarded("marked its world formed", [&] {
+    store_guarded("marked its world formed", [&] {
       return client_->compare_set(prefix_ + "epoch", now.stored, value);
     });
   }
@@ -329,13 +315,13 @@ int64_t Membership::lineage() {
 }
 
 bool Membership::finished() {
-  auto value = guarded("read whether the job ended",
-                       [&] { return client_->get(prefix_ + "finished"); });
+  auto value = store_guarded("read whether the job ended",
+                             [&] { return client_->get(prefix_ + "finished"); });
   return value && open("finished", "the job's end", *value) == kFinished;
 }
 
 void Membership::left(int replica, int incarnation, const char* why) {
-  guarded("said it leaves", [&] {
+  store_guarded("said it leaves", [&] {
     client_->set(prefix_ + str("left/", replica, "/", incarnation),
                  sign(str("left|", replica, "|", incarnation), why));
     return 0;

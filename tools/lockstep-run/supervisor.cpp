@@ -22,6 +22,8 @@
 #include <string>
 #include <vector>
 
+#include "fault/membership.h"
+
 extern char** environ;
 
 namespace lockstep::run {
@@ -387,7 +389,7 @@ AttemptResult run_attempt(const RunOptions& options, int attempt, int port,
       if (options.restart_rank) {
         left = store.left(attempt, rank.global, rank.incarnation);
       }
-      bool nothing_to_rejoin = left && *left == "left";
+      bool nothing_to_rejoin = left && *left == lockstep::detail::kLeft;
       if (rank.hidden && !stopped_by_us && result.outcome != Outcome::Interrupted &&
           !nothing_to_rejoin) {
         drain(rank); // what it said last, shown with its failure
