@@ -86,7 +86,9 @@ int main(int argc, char** argv) {
   auto store_timeout = std::chrono::seconds(60);
   detail::Signer signer{[](const std::string&) { return std::string("-"); },
                         [](const std::string&, const std::string&) { return true; }};
-  detail::AgreementOptions options{1, std::chrono::minutes(5), std::chrono::minutes(5)};
+  detail::AgreementOptions options;
+  options.step_timeout = std::chrono::minutes(5);
+  options.timeout = std::chrono::minutes(5);
 
   std::vector<std::unique_ptr<Member>> members(static_cast<size_t>(n));
   std::vector<detail::Member> records;

@@ -192,8 +192,10 @@ class AgreementOverAStore : public MembershipOverAStore {
         server_->endpoint(), 5s,
         detail::Liveness::Process{replica, 0, sim.me.identity.to_record()}, kHeartbeat);
     sim.membership = membership("s3cret");
-    sim.agreement = std::make_unique<detail::Agreement>(
-        *sim.membership, *sim.liveness, detail::AgreementOptions{1, 2s, 10s});
+    detail::AgreementOptions options;
+    options.step_timeout = 2s;
+    options.timeout = 10s;
+    sim.agreement = std::make_unique<detail::Agreement>(*sim.membership, *sim.liveness, options);
     return sim;
   }
   // `ranks` members, in epoch 0 (decided and formed).

@@ -17,6 +17,7 @@
 
 #include <lockstep/lockstep.h>
 
+#include "support/elastic_reference.h"
 #include "support/expect_error.h"
 #include "support/job_output.h"
 #include "support/multiprocess.h"
@@ -59,86 +60,6 @@ Process elastic_rank(int rank, int size, int port, const std::vector<std::string
                           {"OMP_NUM_THREADS", "1"}};
   environment.insert(extra.begin(), extra.end());
   return Process(argv, environment);
-}
-
-// What tests/programs/elastic_float64.cpp computes, in one process on the
-// whole global batch: the parameters' sum after each step, and the last
-// parameters. The program's ranks take equal shares of each global batch
-// (12 samples, and world sizes 1 to 4), so the average of their mean
-// losses' gradients is the mean over the batch: the same steps, in
-// another order of summation.
-struct Reference {
-  std::vector<double> sums; // after step s + 1
-  std::vector<double> squared_errors; // over step s's batch, before it
-  torch::Tensor parameters;
-};
-
-Reference reference(int64_t steps) {
-  torch::manual_seed(7);
-  Mlp model;
-  model->to(torch::kDouble);
-  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-  torch::optim::StepLR scheduler(optimizer, 50, 0.5);
-  torch::manual_seed(11);
-  auto inputs = torch::randn({120, 20}, torch::kDouble);
-  auto targets = torch::randn({120, 5}, torch::kDouble);
-  StepSampler sampler(120, StepSamplerOptions().global_batch_size(12));
-  Reference result;
-  for (int64_t step = 0; step < steps; ++step) {
-    auto index = torch::tensor(sampler.indices(step, 0, 1), torch::kLong);
-    optimizer.zero_grad();
-    auto error = model(inputs.index_select(0, index)) - targets.index_select(0, index);
-    error.pow(2).mean().backward();
-    result.squared_errors.push_back(error.detach().pow(2).sum().item<double>());
-    optimizer.step();
-    scheduler.step();
-    double sum = 0;
-    for (const auto& param : model->parameters()) {
-      sum += param.sum().item<double>();
-    }
-    result.sums.push_back(sum);
-  }
-  result.parameters =
-      torch::cat({model->fc1->weight.flatten(), model->fc1->bias, model->fc2->weight.flatten(),
-                  model->fc2->bias, model->fc3->weight.flatten(), model->fc3->bias});
-  return result;
-}
-
-// Each parameter differs from the reference's by at most kFloat64Tolerance
-// (see training.h); a sum of about 1000 of them, by at most 1000 times it.
-constexpr double kSumTolerance = 1000 * kFloat64Tolerance;
-
-void expect_committed_steps_match(const ScratchFolder& out, int ranks, const Reference& ref) {
-  for (int rank = 0; rank < ranks; ++rank) {
-    std::ifstream log(out / ("rank-" + std::to_string(rank) + ".log"));
-    int64_t step = 0;
-    int size = 0;
-    double sum = 0;
-    double squared_error = 0;
-    double samples = 0;
-    int lines = 0;
-    while (log >> step >> size >> sum >> squared_error >> samples) {
-      ++lines;
-      ASSERT_GE(step, 1);
-      ASSERT_LE(step, static_cast<int64_t>(ref.sums.size()));
-      EXPECT_NEAR(sum, ref.sums[step - 1], kSumTolerance)
-          << "rank " << rank << " after step " << step << " in a world of " << size;
-      // ft.commit(sums): each committed step's figures cover its global
-      // batch once, whichever ranks trained it.
-      EXPECT_EQ(samples, 12) << "rank " << rank << " at step " << step;
-      EXPECT_NEAR(squared_error, ref.squared_errors[step - 1], kSumTolerance)
-          << "rank " << rank << " at step " << step << " in a world of " << size;
-    }
-    EXPECT_GT(lines, 0) << "rank " << rank << " committed no step";
-  }
-  std::ifstream file(out / "parameters.bin", std::ios::binary);
-  std::vector<double> values(static_cast<size_t>(ref.parameters.numel()));
-  file.read(reinterpret_cast<char*>(values.data()),
-            static_cast<std::streamsize>(values.size() * sizeof(double)));
-  ASSERT_TRUE(file) << "the run wrote no final parameters";
-  auto actual = torch::tensor(values, torch::kDouble);
-  EXPECT_TRUE(torch::allclose(actual, ref.parameters, 0, kFloat64Tolerance))
-      << "largest difference " << (actual - ref.parameters).abs().max().item<double>();
 }
 
 std::vector<std::string> launch(int ranks, int restarts) {
@@ -206,7 +127,7 @@ TEST_P(FaultToleranceKills, EachFailureCostsOneStepAndTheRunEqualsTheCommittedSt
   // Replicas checked bit for bit at the end, on every rank.
   EXPECT_EQ(occurrences(result.output, ": " + std::to_string(kSteps) + " steps"), plan.ranks)
       << result.output;
-  expect_committed_steps_match(out, plan.ranks, reference(kSteps));
+  expect_committed_steps_match(out, plan.ranks, elastic_reference(kSteps));
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -263,7 +184,7 @@ TEST(FaultTolerance, AStoppedRankIsDroppedAfterTheHeartbeatTimeoutThenRejoins) {
       << result.output;
   EXPECT_EQ(occurrences(result.output, "restarting it alone"), 0) << result.output;
   EXPECT_EQ(occurrences(result.output, ": 300 steps"), 3) << result.output;
-  expect_committed_steps_match(out, 3, reference(300));
+  expect_committed_steps_match(out, 3, elastic_reference(300));
 }
 
 // A steady step makes no store operation, with a secret, over either
@@ -283,7 +204,7 @@ TEST_P(FaultToleranceSteadyStep, MakesNoStoreOperation) {
   EXPECT_NE(result.output.find("elastic_float64: 0 store key operations in 100 steps"),
             std::string::npos)
       << result.output;
-  expect_committed_steps_match(out, 3, reference(150));
+  expect_committed_steps_match(out, 3, elastic_reference(150));
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, FaultToleranceSteadyStep, ::testing::Values("shm", "gloo"));
@@ -377,7 +298,7 @@ TEST(FaultTolerance, BelowTheMinimumTheSurvivorsWaitForTheRankToComeBack) {
   EXPECT_EQ(occurrences(result.output, "received the live state"), 1) << result.output;
   EXPECT_EQ(occurrences(result.output, " of 1 ("), 0) << "a world below the minimum formed:\n"
                                                   << result.output;
-  expect_committed_steps_match(out, 2, reference(200));
+  expect_committed_steps_match(out, 2, elastic_reference(200));
 }
 
 // ... and raise, naming the minimum, when no rank comes back in time.
@@ -425,7 +346,7 @@ TEST_P(StoreOutlivesRankZero, UnderTheLauncher) {
   ASSERT_TRUE(result.ok()) << result.status() << "\n" << result.output;
   EXPECT_EQ(occurrences(result.output, "received the live state"), 1) << result.output;
   EXPECT_EQ(occurrences(result.output, ": 150 steps"), 2) << result.output;
-  expect_committed_steps_match(out, 2, reference(150));
+  expect_committed_steps_match(out, 2, elastic_reference(150));
 }
 
 INSTANTIATE_TEST_SUITE_P(Stores, StoreOutlivesRankZero, ::testing::Values("file", "tcp"));
@@ -448,7 +369,7 @@ TEST(FaultTolerance, AHungRankIsReportedEndedByItsLauncherAndRejoins) {
   EXPECT_EQ(occurrences(result.output, "received the live state"), 1) << result.output;
   EXPECT_EQ(occurrences(result.output, "can train, fewer than"), 0) << result.output;
   EXPECT_EQ(occurrences(result.output, ": 200 steps"), 3) << result.output;
-  expect_committed_steps_match(out, 3, reference(200));
+  expect_committed_steps_match(out, 3, elastic_reference(200));
 }
 
 // A rank that ends through an exception its program catches (return 1, as
@@ -463,7 +384,7 @@ TEST(FaultTolerance, ARankThatEndsWithAnErrorIsRestartedAndRejoins) {
   EXPECT_EQ(occurrences(result.output, "exited with code 1; restarting it alone"), 1)
       << result.output;
   EXPECT_EQ(occurrences(result.output, "received the live state"), 1) << result.output;
-  expect_committed_steps_match(out, 3, reference(200));
+  expect_committed_steps_match(out, 3, elastic_reference(200));
 }
 
 // A program that keeps state of its own out of the live transfer (here its
@@ -590,7 +511,7 @@ TEST(FaultTolerance, ResourcesAndTheStoreStayFlatOverFailures) {
   // The store holds the keys of two epochs back at most, whatever the step.
   EXPECT_LE(last.store_keys, first.store_keys + 8) << seen.str();
   EXPECT_LE(last.store_bytes, first.store_bytes + 2048) << seen.str();
-  expect_committed_steps_match(out, 3, reference(1000));
+  expect_committed_steps_match(out, 3, elastic_reference(1000));
 }
 
 TEST(StepSampler, EachSampleOncePerEpochWhateverTheWorldSize) {

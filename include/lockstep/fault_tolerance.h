@@ -30,8 +30,12 @@
 #include <torch/serialize/archive.h>
 
 #include <lockstep/ddp.h>
+#include <lockstep/replica_groups.h>
 #include <lockstep/world.h>
 
+namespace torch::nn {
+class Module;
+} // namespace torch::nn
 namespace torch::optim {
 class Optimizer;
 } // namespace torch::optim
@@ -110,6 +114,21 @@ class FaultTolerance {
   /// (docs/diloco.md).
   FaultTolerance(DiLoCo& diloco, torch::optim::Optimizer& inner,
                  FaultToleranceOptions options = {});
+  /// Replica groups as the unit of failure (torchft's FT-HSDP and FT-DDP):
+  /// inside each group of `groups` (replica_groups(world, k) of init()'s
+  /// world) the program trains as without fault tolerance, with FSDP or
+  /// DDP over groups.replica; commit() then averages the gradients of what
+  /// `optimizer` steps on this rank (FSDP: its shards) with the same place
+  /// of every other group, fault-tolerantly. A group in which a rank fails
+  /// drops out whole: its other ranks raise (FaultToleranceError, or the
+  /// CollectiveError of the group's collective they were in) and end, and
+  /// once lockstep-run has restarted them all (--restart rank), the group
+  /// forms again (replica_groups on the restarted ranks) and rejoins at a
+  /// begin_step(): each of its ranks receives its own part (what its
+  /// optimizer steps, that state, `module`'s buffers) from the rank of the
+  /// same place in a live group. See docs/fault-tolerance.md.
+  FaultTolerance(const ReplicaGroups& groups, torch::nn::Module& module,
+                 torch::optim::Optimizer& optimizer, FaultToleranceOptions options = {});
   ~FaultTolerance();
   FaultTolerance(const FaultTolerance&) = delete;
   FaultTolerance& operator=(const FaultTolerance&) = delete;
@@ -149,7 +168,10 @@ class FaultTolerance {
   /// rejoined rank would scale by init_scale while the others scale by
   /// what they learned, and DDP would average unlike gradients).
   void register_state(const std::string& name, amp::GradScaler& scaler);
-  /// Who trains the current step: this process's rank and the size.
+  /// Who trains the current step: this process's rank and the size. Over
+  /// replica groups: the groups' world, whose rank is this rank's group's
+  /// index among those that train (so that a rank's share of the batch is
+  /// world().rank() * k + groups.replica.rank() of world().size() * k).
   const World& world() const;
   FaultToleranceStats stats() const;
 
@@ -157,7 +179,7 @@ class FaultTolerance {
 
  private:
   FaultTolerance(std::shared_ptr<detail::Guarded> guarded, torch::optim::Optimizer& optimizer,
-                 FaultToleranceOptions options);
+                 FaultToleranceOptions options, const ReplicaGroups* groups = nullptr);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -26,12 +26,18 @@ struct ReplicaGroups {
   /// The ranks that hold this rank's place (replica.rank()) in every
   /// replica.
   World across;
+  /// The world they were cut from.
+  World parent;
 };
 
 /// Collective over `world`: its ranks cut into replicas of
 /// `ranks_per_replica` consecutive ranks (0: world.local_size(), a replica
 /// per host as lockstep-run numbers them). Raises ConfigError unless it
-/// divides the world's size.
+/// divides the world's size. On a rank that lockstep-run restarted alone
+/// (--restart rank), under a FaultTolerance over replica groups: local to
+/// its group, whose other ranks were restarted with it; `replica` is the
+/// group's world formed anew, and `across` the rank's world of its own,
+/// until FaultTolerance takes the group back in.
 ReplicaGroups replica_groups(const World& world, int ranks_per_replica = 0);
 
 } // namespace lockstep

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <iterator>
+#include <map>
+#include <set>
 
 #include <lockstep/error.h>
 
@@ -21,6 +23,34 @@ bool same_process(const Member& a, const Member& b) {
 }
 
 } // namespace
+
+std::vector<Member> whole_groups(const std::vector<Member>& candidates, int group_size) {
+  if (group_size == 1) {
+    return candidates;
+  }
+  std::map<int, std::vector<Member>> groups;
+  for (const auto& member : candidates) {
+    groups[member.replica / group_size].push_back(member);
+  }
+  std::vector<Member> whole;
+  for (auto& [group, members] : groups) {
+    std::set<int> places;
+    for (const auto& member : members) {
+      places.insert(member.replica % group_size);
+    }
+    const auto& first = members.front();
+    bool one_state = std::all_of(members.begin(), members.end(), [&](const Member& m) {
+      return first.step < 0 ? m.step < 0 : !behind(m, first);
+    });
+    if (static_cast<int>(places.size()) == group_size &&
+        static_cast<int>(members.size()) == group_size && one_state) {
+      std::sort(members.begin(), members.end(),
+                [](const Member& a, const Member& b) { return a.replica < b.replica; });
+      whole.insert(whole.end(), members.begin(), members.end());
+    }
+  }
+  return whole;
+}
 
 Agreement::Agreement(Membership& membership, Liveness& liveness, AgreementOptions options)
     : membership_(membership), liveness_(liveness), options_(options) {}
@@ -51,6 +81,10 @@ std::optional<std::pair<int64_t, std::vector<Member>>> Agreement::next_epoch(
   };
   auto failed = [&](const Member& m) { return liveness_.failed(m.replica, m.incarnation); };
   for (int look = 0;; ++look) {
+    if (options_.unable) {
+      auto why = options_.unable();
+      LOCKSTEP_ENFORCE(why.empty(), FaultToleranceError, "rank ", me.replica, ": ", why);
+    }
     // One member decides: the live member of the last world with the
     // lowest rank (where none lives, the lowest that arrived). It waits
     // until every live member of the last world has come (one parked
@@ -109,6 +143,7 @@ std::optional<std::pair<int64_t, std::vector<Member>>> Agreement::next_epoch(
         candidates.push_back(arrival);
       }
     }
+    candidates = whole_groups(candidates, options_.group_size);
     if (live.empty() && !candidates.empty()) {
       deciding = same_process(candidates.front(), me);
     }
@@ -156,10 +191,16 @@ std::optional<std::pair<int64_t, std::vector<Member>>> Agreement::next_epoch(
     }
     int64_t lineage = membership_.lineage();
     // A member that received (or sent) the state a world began from holds
-    // it, whether or not that world was marked formed before it failed.
-    bool state_lives = std::any_of(candidates.begin(), candidates.end(), [&](const Member& c) {
-      return c.step >= 0 && c.trained >= lineage;
-    });
+    // it, whether or not that world was marked formed before it failed;
+    // over replica groups, at every place of a group (each holds a part).
+    bool state_lives = !candidates.empty();
+    for (int place = 0; place < options_.group_size; ++place) {
+      state_lives = state_lives &&
+          std::any_of(candidates.begin(), candidates.end(), [&](const Member& c) {
+            return c.replica % options_.group_size == place && c.step >= 0 &&
+                c.trained >= lineage;
+          });
+    }
     if (!state_lives && absent.empty() && !candidates.empty() && me.step < 0) {
       // The ranks that held the state may have ended their loop: each
       // exits, and its launcher then records the end. A restarted rank

@@ -39,7 +39,20 @@ struct AgreementOptions {
   int min_world_size = 1;
   std::chrono::milliseconds step_timeout{0};
   std::chrono::milliseconds timeout{0};
+  /// Over replica groups: the ranks per group (consecutive launcher
+  /// ranks), which train only together.
+  int group_size = 1;
+  /// Why this member can no longer take part (its replica group lost a
+  /// rank), or "": asked at every look while it waits.
+  std::function<std::string()> unable;
 };
+
+/// Of `candidates`, those whose replica group (`group_size` consecutive
+/// launcher ranks) came whole, and holds one state: every member received
+/// it in the same world at the same step, or none holds any (a group
+/// restarted as a unit). A group that mixes them lost a rank that was
+/// restarted before its others ended: they are leaving.
+std::vector<Member> whole_groups(const std::vector<Member>& candidates, int group_size);
 
 class Agreement {
  public:

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstring>
 #include <exception>
+#include <iterator>
 #include <sstream>
 #include <thread>
 
@@ -27,6 +28,21 @@ using detail::Phase;
 using detail::WorldAccess;
 
 namespace detail {
+
+std::string group_failure(const Watch& watch, Liveness& liveness) {
+  for (const auto& [slot, incarnation] : watch.group_ranks) {
+    auto failure = liveness.failed(slot, incarnation);
+    if (failure && !liveness.ended(slot, incarnation)) {
+      const int size = static_cast<int>(watch.group_ranks.size());
+      return str("rank ", slot, " of its replica group (launcher ranks ",
+                 watch.group_ranks.front().first, " to ", watch.group_ranks.front().first + size - 1,
+                 ") failed: ", *failure, ". A replica group fails as a unit: this rank ends "
+                 "too, and once lockstep-run has restarted the group's ranks (--restart rank), "
+                 "the group rejoins");
+    }
+  }
+  return "";
+}
 
 std::string give_up(Membership& membership, Liveness& liveness, int64_t epoch,
                     const std::string& why) {
@@ -53,11 +69,25 @@ FaultTolerance::FaultTolerance(std::shared_ptr<detail::Reducer> reducer,
                                FaultToleranceOptions options)
     : FaultTolerance(detail::guard(std::move(reducer)), optimizer, options) {}
 
-FaultTolerance::FaultTolerance(std::shared_ptr<detail::Guarded> guarded,
+FaultTolerance::FaultTolerance(const ReplicaGroups& groups, torch::nn::Module& module,
                                torch::optim::Optimizer& optimizer,
                                FaultToleranceOptions options)
-    : impl_(std::make_unique<Impl>(std::move(guarded), optimizer, options)) {
+    : FaultTolerance(detail::guard_across_groups(groups.across, module, optimizer), optimizer,
+                     options, &groups) {}
+
+FaultTolerance::FaultTolerance(std::shared_ptr<detail::Guarded> guarded,
+                               torch::optim::Optimizer& optimizer,
+                               FaultToleranceOptions options, const ReplicaGroups* groups)
+    : impl_(std::make_unique<Impl>(guarded, optimizer, options,
+                                   groups ? groups->parent : guarded->world())) {
   auto& impl = *impl_;
+  if (groups != nullptr) {
+    LOCKSTEP_ENFORCE(WorldAccess::formed_by_init(impl.base), UsageError, "FaultTolerance over replica groups takes groups cut from "
+                     "the job's world (replica_groups(lockstep::init(), k)): a group is the "
+                     "unit that lockstep-run's ranks fail and return in.");
+    impl.group_size = groups->replica.size();
+    impl.group = groups->replica;
+  }
   LOCKSTEP_ENFORCE(options.min_world_size() >= 1, ConfigError,
                    "FaultToleranceOptions::min_world_size must be 1 or more, not ",
                    options.min_world_size(), ".");
@@ -97,11 +127,27 @@ FaultTolerance::FaultTolerance(std::shared_ptr<detail::Guarded> guarded,
                                                          prefix, signer);
   impl.notices = std::make_unique<detail::Membership>(WorldAccess::store_client(impl.base),
                                                       prefix, signer);
-  impl.agreement = std::make_unique<detail::Agreement>(
-      *impl.membership, *impl.liveness,
-      detail::AgreementOptions{options.min_world_size(), options.step_timeout(),
-                               options.timeout()});
   impl.watch = std::make_shared<detail::Watch>();
+  if (impl.group) {
+    // Who the group's ranks are, as its world formed (a restarted group's
+    // incarnations differ).
+    impl.watch->group = impl.group;
+    const int first = impl.me.replica - impl.group->rank();
+    auto incarnations = impl.group->all_gather_strings(std::to_string(impl.me.incarnation));
+    for (int place = 0; place < impl.group_size; ++place) {
+      impl.watch->group_ranks.emplace_back(first + place,
+                                           std::stoi(incarnations[static_cast<size_t>(place)]));
+    }
+  }
+  detail::AgreementOptions agreeing{options.min_world_size(), options.step_timeout(),
+                                    options.timeout(), impl.group_size, {}};
+  if (impl.group) {
+    agreeing.unable = [watch = impl.watch, liveness = impl.liveness] {
+      return detail::group_failure(*watch, *liveness);
+    };
+  }
+  impl.agreement =
+      std::make_unique<detail::Agreement>(*impl.membership, *impl.liveness, agreeing);
   impl.liveness->on_change([watch = impl.watch, liveness = impl.liveness.get(),
                             notices = impl.notices.get()](const std::vector<std::string>& notes) {
     Impl::on_liveness(watch, *liveness, *notices, notes);
@@ -123,7 +169,7 @@ FaultTolerance::FaultTolerance(std::shared_ptr<detail::Guarded> guarded,
     impl.membership->mark_formed(0);
   }
   impl.epoch = 0;
-  impl.watch_world(0, impl.members, impl.world);
+  impl.watch_world(0, impl.members, impl.at_my_place(impl.members), impl.world);
   impl.base.barrier(); // epoch 0 is decided before anyone looks for it
 }
 
@@ -206,6 +252,9 @@ bool FaultTolerance::Impl::commit(at::Tensor* sums) {
                    "every step starts with ft.begin_step().");
   impl.in_step = false;
   std::string failure = impl.guarded->take_failure();
+  if (failure.empty()) {
+    failure = impl.guarded->finish_step(); // across replica groups
+  }
   LOCKSTEP_ENFORCE(
       !failure.empty() || impl.guarded->synchronisations() > impl.synchronisations_at_begin,
       UsageError, "commit() found no synchronised backward through the wrapper since "
@@ -215,9 +264,14 @@ bool FaultTolerance::Impl::commit(at::Tensor* sums) {
     ++impl.committed; // a job of one process
     return true;
   }
+  impl.check_group();
   if (failure.empty()) {
     failure = WorldAccess::broken(impl.world);
   }
+  int64_t summing = sums == nullptr
+      ? 0
+      : 1 + sums->numel() * 64 + static_cast<int64_t>(sums->scalar_type());
+  bool join = false;
   if (failure.empty()) {
     // The step's verdict, with no store operation: a rank whose reduction
     // failed gives its world up instead of coming here, so this small
@@ -229,9 +283,6 @@ bool FaultTolerance::Impl::commit(at::Tensor* sums) {
     // so that every rank sees whether all sum alike before the sums'
     // own all-reduce, which a rank without sums would meet with nothing.
     impl.progress(Phase::Voted);
-    int64_t summing = sums == nullptr
-        ? 0
-        : 1 + sums->numel() * 64 + static_cast<int64_t>(sums->scalar_type());
     auto verdict = at::tensor({int64_t{impl.join_asked() ? 1 : 0}, summing, -summing}, at::kLong);
     // A collective that fails fails the step: its reason, or "".
     auto reduce = [&impl](at::Tensor& tensor, ReduceOp op) -> std::string {
@@ -251,6 +302,7 @@ bool FaultTolerance::Impl::commit(at::Tensor* sums) {
                        "of step ", impl.committed, " and ft.commit() on others, or sums of "
                        "another shape or type: every rank of a step calls the same one, with "
                        "sums of the same shape and type.");
+      join = agreed[0] > 0;
       if (sums != nullptr) {
         // A rank that fails here fails the step, so that sums are never
         // of a dropped one (the others then commit without it, and it is
@@ -258,28 +310,102 @@ bool FaultTolerance::Impl::commit(at::Tensor* sums) {
         failure = reduce(*sums, ReduceOp::Sum);
       }
     }
-    if (failure.empty()) {
-      ++impl.committed;
-      impl.progress(Phase::Between);
-      impl.need_reform = verdict[0].item<int64_t>() > 0;
-      return true;
+  }
+  if (!failure.empty()) {
+    // The others may still wait in this world's collectives: give it up for
+    // every rank at once. (Where the verdict's all-reduce completed on some
+    // ranks and failed here alone, they have committed the step: this rank
+    // is then behind, and receives their state when the world re-forms.)
+    failure = detail::give_up(*impl.membership, *impl.liveness, impl.epoch,
+                              detail::first_line(failure));
+  }
+  bool kept = failure.empty();
+  if (impl.group) {
+    // A group commits or drops a step whole (its ranks hold the parts of
+    // one replica); one that drops what others committed is behind, and
+    // receives their state when the world re-forms.
+    impl.agree_in_group(kept, join, summing, sums);
+    if (!kept && failure.empty()) {
+      failure = detail::give_up(*impl.membership, *impl.liveness, impl.epoch,
+                                "another rank of this rank's replica group dropped it");
     }
+  }
+  if (kept) {
+    ++impl.committed;
+    impl.progress(Phase::Between);
+    impl.need_reform = join;
+    return true;
   }
   impl.need_reform = true;
   impl.progress(Phase::Dropped);
   ++impl.stats.aborted_steps;
-  // The others may still wait in this world's collectives: give it up for
-  // every rank at once. (Where the verdict's all-reduce completed on some
-  // ranks and failed here alone, they have committed the step: this rank
-  // is then behind, and receives their state when the world re-forms.)
-  auto why = detail::give_up(*impl.membership, *impl.liveness, impl.epoch,
-                             detail::first_line(failure));
-  impl.say(detail::str("step ", impl.committed, " is dropped on every rank: ", why));
+  impl.say(detail::str("step ", impl.committed, " is dropped on every rank: ", failure));
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < impl.buffers.size(); ++i) {
     impl.buffers[i].copy_(impl.buffers_at_begin[i]);
   }
   return false;
+}
+
+void FaultTolerance::Impl::agree_in_group(bool& kept, bool& join, int64_t summing,
+                                          at::Tensor* sums) {
+  auto run = [&](at::Tensor& tensor, ReduceOp op) {
+    try {
+      group->all_reduce(tensor, op);
+    } catch (const CollectiveError& e) {
+      check_group(); // the reason, where the liveness has it
+      LOCKSTEP_FAIL(FaultToleranceError, "rank ", me.replica, ": its replica group could not "
+                    "agree on step ", committed, ": ", detail::first_line(e.what()));
+    } catch (const TimeoutError& e) {
+      LOCKSTEP_FAIL(FaultToleranceError, "rank ", me.replica, ": its replica group could not "
+                    "agree on step ", committed, ": ", detail::first_line(e.what()));
+    }
+  };
+  auto verdict = at::tensor({int64_t{kept ? 0 : 1}, int64_t{join ? 1 : 0}, summing, -summing},
+                            at::kLong);
+  run(verdict, ReduceOp::Max);
+  const int64_t* agreed = verdict.data_ptr<int64_t>();
+  LOCKSTEP_ENFORCE(agreed[2] == -agreed[3], UsageError, "ft.commit(sums) on some ranks of a "
+                   "replica group at step ", committed, " and ft.commit() on others, or sums of "
+                   "another shape or type: every rank of a step calls the same one, with sums "
+                   "of the same shape and type.");
+  kept = agreed[0] == 0;
+  join = agreed[1] > 0;
+  if (kept && sums != nullptr) {
+    run(*sums, ReduceOp::Sum);
+  }
+}
+
+void FaultTolerance::Impl::check_group() const {
+  if (!group || !watch) {
+    return;
+  }
+  std::string why;
+  {
+    std::lock_guard<std::mutex> lock(watch->mutex);
+    why = watch->group_lost;
+  }
+  if (why.empty()) {
+    why = detail::group_failure(*watch, *liveness);
+  }
+  LOCKSTEP_ENFORCE(why.empty(), FaultToleranceError, "rank ", me.replica, ": ", why, ".");
+}
+
+std::vector<Member> FaultTolerance::Impl::at_my_place(const std::vector<Member>& decided) const {
+  if (group_size == 1) {
+    return decided;
+  }
+  std::vector<Member> ranked;
+  std::copy_if(decided.begin(), decided.end(), std::back_inserter(ranked),
+               [&](const Member& m) { return m.replica % group_size == me.replica % group_size; });
+  std::sort(ranked.begin(), ranked.end(),
+            [](const Member& a, const Member& b) { return a.replica < b.replica; });
+  return ranked;
+}
+
+std::string FaultTolerance::Impl::world_scope(int64_t number, int place) const {
+  auto scope = detail::epoch_key(number, "world");
+  return group_size == 1 ? scope : detail::str(scope, ".p", place);
 }
 
 bool FaultTolerance::Impl::join_asked() {
@@ -293,14 +419,14 @@ std::string FaultTolerance::Impl::verdict() {
 }
 
 void FaultTolerance::Impl::watch_world(int64_t number, const std::vector<Member>& decided,
-                                       World next) {
+                                       const std::vector<Member>& ranked, World next) {
   // A collective that waits a step's limit names the ranks that never came:
   // they are hung. (The world, which holds this, goes before the liveness.)
   WorldAccess::watch_hangs(next, options.step_timeout(),
-                           [live = liveness, decided, limit = options.step_timeout()](
+                           [live = liveness, ranked, limit = options.step_timeout()](
                                const std::vector<int>& ranks, const std::string& what) {
                              for (int rank : ranks) {
-                               const auto& member = decided[static_cast<size_t>(rank)];
+                               const auto& member = ranked[static_cast<size_t>(rank)];
                                live->report(member.replica, member.incarnation,
                                             detail::str("it did not reach ", what, " within ",
                                                         detail::seconds(limit), " of the others "
@@ -320,7 +446,18 @@ void FaultTolerance::Impl::on_liveness(const std::shared_ptr<detail::Watch>& wat
                                        detail::Liveness& liveness, detail::Membership& notices,
                                        const std::vector<std::string>& notes) {
   std::lock_guard<std::mutex> lock(watch->mutex);
-  if (!watch->alive || !watch->world || !watch->verdict.empty()) {
+  if (!watch->alive) {
+    return;
+  }
+  if (watch->group && watch->group_lost.empty()) {
+    // The group's collectives (the wrapper's, inside forward and
+    // backward) fail at once, saying why, rather than at their timeout.
+    watch->group_lost = detail::group_failure(*watch, liveness);
+    if (!watch->group_lost.empty()) {
+      WorldAccess::abandon(*watch->group, watch->group_lost);
+    }
+  }
+  if (!watch->world || !watch->verdict.empty()) {
     return;
   }
   for (const auto& note : notes) {

@@ -4,8 +4,10 @@
 // loop agrees on who trains and whether a step counts; what a step
 // synchronises, how a failure inside it is seen, what a joining rank
 // receives and how the work goes on in a new world belong to the guarded
-// side: DistributedDataParallel's reducer (a step is a backward), or
-// DiLoCo's outer loop (a step is a fragment's synchronisation).
+// side: DistributedDataParallel's reducer (a step is a backward),
+// DiLoCo's outer loop (a step is a fragment's synchronisation), or the
+// reduction across replica groups (a step is a backward inside each
+// group, then an all-reduce across them at commit).
 
 #include <cstdint>
 #include <memory>
@@ -15,6 +17,13 @@
 #include <ATen/core/Tensor.h>
 
 #include <lockstep/world.h>
+
+namespace torch::nn {
+class Module;
+} // namespace torch::nn
+namespace torch::optim {
+class Optimizer;
+} // namespace torch::optim
 
 namespace lockstep::detail {
 
@@ -34,6 +43,9 @@ class Guarded {
   /// Synchronisations begun so far: a step that began none has nothing to
   /// commit.
   virtual int64_t synchronisations() const = 0;
+  /// Runs what the step synchronises at commit, if anything (collective
+  /// in world()); returns why it failed, or "".
+  virtual std::string finish_step() { return ""; }
   /// Carries on in `world` (collectively with its other ranks).
   virtual void adopt_world(World world) = 0;
   /// What makes a replica, which a joining rank receives; or only what a
@@ -43,5 +55,11 @@ class Guarded {
 
 /// DistributedDataParallel's reducer, as FaultTolerance guards it.
 std::shared_ptr<Guarded> guard(std::shared_ptr<Reducer> reducer);
+/// Replica groups as the unit of failure (group_reduction.cpp): at commit,
+/// the gradients of what `optimizer` steps are averaged with the ranks of
+/// the same place in the other groups (`across`); a joining rank receives
+/// those parameters and `module`'s buffers.
+std::shared_ptr<Guarded> guard_across_groups(World across, torch::nn::Module& module,
+                                             torch::optim::Optimizer& optimizer);
 
 } // namespace lockstep::detail

@@ -47,7 +47,17 @@ struct Watch {
   std::string verdict;
   /// A rank asked to join a later epoch (kWantNote) since this world formed.
   bool join_asked = false;
+  /// Over replica groups: this rank's group's world and its ranks
+  /// (launcher rank, incarnation), set once; and why the group can train
+  /// no more (a rank of it failed), or "".
+  std::optional<World> group;
+  std::vector<std::pair<int, int>> group_ranks;
+  std::string group_lost;
 };
+
+/// Why `watch`'s replica group can train no more: the first of its ranks
+/// that `liveness` sees failed; "" while all live, or without groups.
+std::string group_failure(const Watch& watch, Liveness& liveness);
 
 } // namespace detail
 
@@ -92,14 +102,19 @@ struct FaultTolerance::Impl {
   std::unique_ptr<detail::GuardedOptimizer> guarded_optimizer;
   FaultToleranceStats stats;
 
+  /// Over replica groups: the ranks per group (1: a rank is the unit),
+  /// and this rank's group's world.
+  int group_size = 1;
+  std::optional<World> group;
+
   Impl(std::shared_ptr<detail::Guarded> guarded_in,
        torch::optim::Optimizer& optimizer_in,
-       FaultToleranceOptions options_in)
+       FaultToleranceOptions options_in, World base_in)
       : guarded(std::move(guarded_in)),
         optimizer(optimizer_in),
         options(options_in),
-        base(guarded->world()),
-        world(base) {}
+        base(std::move(base_in)),
+        world(guarded->world()) {}
   // Here, not in ~FaultTolerance: a constructor that throws after the
   // callback is set must not leave the liveness thread calling into freed
   // members.
@@ -134,15 +149,31 @@ struct FaultTolerance::Impl {
   std::string verdict();
   /// Whether a rank asked to join since the current world formed.
   bool join_asked();
-  /// From now on the liveness thread watches `next` and its members.
-  void watch_world(int64_t epoch, const std::vector<detail::Member>& decided, World next);
+  /// From now on the liveness thread watches `next` and the epoch's
+  /// members (`decided`); `ranked` are next's ranks, in its order.
+  void watch_world(int64_t epoch, const std::vector<detail::Member>& decided,
+                   const std::vector<detail::Member>& ranked, World next);
+  /// The members of `decided` that form this rank's world: all of them,
+  /// or over replica groups those of its place, in their groups' order.
+  std::vector<detail::Member> at_my_place(const std::vector<detail::Member>& decided) const;
+  /// The scope of the world of `epoch` at `place`.
+  std::string world_scope(int64_t epoch, int place) const;
+  /// Raises FaultToleranceError where this rank's replica group lost a rank.
+  void check_group() const;
+  /// Agrees inside the replica group on the step: whether every rank of
+  /// it kept it (`kept` here), whether one saw a rank ask to join, and how
+  /// each sums. Raises where the group lost a rank.
+  void agree_in_group(bool& kept, bool& join, int64_t summing, at::Tensor* sums);
   /// Called on the liveness thread when the job's view changes.
   static void on_liveness(const std::shared_ptr<detail::Watch>& watch,
                           detail::Liveness& liveness, detail::Membership& notices,
                           const std::vector<std::string>& notes);
   void reform();
-  World form(int64_t target, const std::vector<detail::Member>& decided);
-  void bring_up_to_date(World& next, const std::vector<detail::Member>& decided,
+  /// Forms this rank's world of epoch `target` among `ranked`, given up
+  /// where a member of `decided` fails meanwhile.
+  World form(int64_t target, const std::vector<detail::Member>& decided,
+             const std::vector<detail::Member>& ranked);
+  void bring_up_to_date(World& next, const std::vector<detail::Member>& ranked,
                         int64_t target);
 };
 } // namespace lockstep

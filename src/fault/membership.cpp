@@ -274,7 +274,7 @@ std::vector<int64_t> Membership::retire_through(int64_t epoch) {
 void Membership::announce_state(int64_t epoch, int source, int64_t step,
                                 const std::string& digest) {
   store_guarded("announced the live state", [&] {
-    client_->set(prefix_ + epoch_key(epoch, "state"),
+    client_->set(prefix_ + epoch_key(epoch, str("state/", source)),
                  sign(str("state|", epoch), str(source, " ", step, " ", digest)));
     return 0;
   });
@@ -283,7 +283,7 @@ void Membership::announce_state(int64_t epoch, int source, int64_t step,
 bool Membership::state_matches(int64_t epoch, int source, int64_t step,
                                const std::string& digest, std::chrono::milliseconds wait) {
   auto value = store_guarded("checked the live state", [&] {
-    return client_->wait_get(prefix_ + epoch_key(epoch, "state"), wait);
+    return client_->wait_get(prefix_ + epoch_key(epoch, str("state/", source)), wait);
   });
   if (!value) {
     return false;

@@ -18,7 +18,9 @@
 //   e<E>/members         a copy of epoch E's decision, for those who wait
 //   e<E>/arrive/<slot>   a member record: who wants to train in epoch E
 //   e<E>/abandoned       why epoch E was given up
-//   e<E>/state           the digest of the live state sent in epoch E
+//   e<E>/state/<slot>    the digest of the live state that launcher rank
+//                        <slot> sent in epoch E (over replica groups, a
+//                        sender per place)
 //   finished             "ended" once a rank exited with 0 (lockstep-run
 //                        writes it): a rank restarted later has nothing to
 //                        rejoin

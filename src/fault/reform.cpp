@@ -37,16 +37,13 @@ bool same_process(const Member& a, const Member& b) {
   return a.replica == b.replica && a.incarnation == b.incarnation;
 }
 
-std::string world_scope(int64_t epoch) {
-  return detail::epoch_key(epoch, "world");
-}
-
 } // namespace
 
 void FaultTolerance::Impl::reform() {
   auto start = Clock::now();
   auto deadline = start + options.timeout();
   while (true) {
+    check_group();
     if (auto newer = liveness->replaced_by()) {
       LOCKSTEP_FAIL(FaultToleranceError, "rank ", me.replica, " (incarnation ", me.incarnation,
                     ", pid ", me.identity.pid, ") is refused: its rank was restarted since, as "
@@ -63,10 +60,12 @@ void FaultTolerance::Impl::reform() {
       continue; // a world formed without this rank: the next one takes it in
     }
     auto [target, decided] = *next_epoch;
+    // Over replica groups, this rank's world is its place's.
+    auto ranked = at_my_place(decided);
     try {
-      auto next = form(target, decided);
-      watch_world(target, decided, next);
-      bring_up_to_date(next, decided, target);
+      auto next = form(target, decided, ranked);
+      watch_world(target, decided, ranked, next);
+      bring_up_to_date(next, ranked, target);
       // It holds the state this epoch begins from, even if the epoch is
       // given up below (no step of it commits without this rank).
       me.trained = target;
@@ -95,11 +94,13 @@ void FaultTolerance::Impl::reform() {
     members = decided;
     me.trained = target;
     need_reform = false;
-    if (world.rank() == 0) {
+    if (world.rank() == 0 && me.replica % group_size == 0) {
       // The epochs before last are no one's any more: their keys, their
       // worlds' keys and ledgers go.
       for (auto old : membership->retire_through(target - 2)) {
-        WorldAccess::retire(base, world_scope(old));
+        for (int place = 0; place < group_size; ++place) {
+          WorldAccess::retire(base, world_scope(old, place));
+        }
       }
     }
     break;
@@ -108,14 +109,16 @@ void FaultTolerance::Impl::reform() {
   ++stats.worlds_formed;
   stats.reform_seconds += seconds;
   stats.last_reform_seconds = seconds;
-  say(detail::str("trains on in epoch ", epoch, " as rank ", world.rank(), " of ", world.size(),
+  say(detail::str("trains on in epoch ", epoch, " as ", group ? "group " : "rank ", world.rank(),
+                  " of ", world.size(),
                   " (launcher ", detail::describe(members), ") from step ", committed,
                   "; formed in ", static_cast<int>(seconds * 1000), " ms"));
 }
 
-World FaultTolerance::Impl::form(int64_t target, const std::vector<Member>& decided) {
+World FaultTolerance::Impl::form(int64_t target, const std::vector<Member>& decided,
+                                 const std::vector<Member>& ranked) {
   int rank = 0;
-  while (!same_process(decided[rank], me)) {
+  while (!same_process(ranked[rank], me)) {
     ++rank;
   }
   // On a thread: a member that dies while the others wait for it in the
@@ -128,8 +131,8 @@ World FaultTolerance::Impl::form(int64_t target, const std::vector<Member>& deci
   };
   auto forming = std::make_shared<Forming>();
   auto result = forming->formed.get_future();
-  std::thread([forming, base = base, rank, size = static_cast<int>(decided.size()),
-               scope = world_scope(target)] {
+  std::thread([forming, base = base, rank, size = static_cast<int>(ranked.size()),
+               scope = world_scope(target, me.replica % group_size)] {
     try {
       auto formed = WorldAccess::form(base, rank, size, scope);
       if (forming->given_up) {
@@ -166,12 +169,12 @@ void add_tensor(detail::Digest& digest, const at::Tensor& tensor) {
 
 } // namespace
 
-void FaultTolerance::Impl::bring_up_to_date(World& next, const std::vector<Member>& decided,
+void FaultTolerance::Impl::bring_up_to_date(World& next, const std::vector<Member>& ranked,
                                             int64_t target) {
-  int source = detail::live_state_source(decided);
+  int source = detail::live_state_source(ranked);
   TORCH_INTERNAL_ASSERT(source >= 0, "a world is decided only with a rank that holds state");
-  const auto& sender = decided[static_cast<size_t>(source)];
-  if (std::none_of(decided.begin(), decided.end(),
+  const auto& sender = ranked[static_cast<size_t>(source)];
+  if (std::none_of(ranked.begin(), ranked.end(),
                    [&](const Member& m) { return detail::behind(m, sender); })) {
     return;
   }

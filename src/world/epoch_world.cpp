@@ -21,6 +21,10 @@ int WorldAccess::slots(const World& world) {
   return world.impl_->slots;
 }
 
+bool WorldAccess::formed_by_init(const World& world) {
+  return world.impl_->owns_job_store;
+}
+
 std::string WorldAccess::prove(const World& world, const std::string& message) {
   const auto& impl = *world.impl_;
   if (impl.config.secret.empty()) {
@@ -96,6 +100,7 @@ World WorldAccess::form(const World& base, int rank, int size, const std::string
   impl->config.local_size = from.config.single_host ? size : 1;
   impl->replica = from.replica;
   impl->slots = from.slots;
+  impl->slots_per_host = from.slots_per_host;
   impl->job_store = from.job_store;
   impl->owns_job_store = false;
   impl->liveness = from.liveness;

@@ -30,6 +30,10 @@ struct WorldAccess {
   static int incarnation(const World& world);
   /// How many ranks the launcher started.
   static int slots(const World& world);
+  /// Whether `world` is the one init() formed (or gave a restarted rank).
+  static bool formed_by_init(const World& world);
+  /// How many of them on each host (a replica group's size by default).
+  static int slots_per_host(const World& world);
   /// A proof that this process holds the job's secret, bound to `message`
   /// and the job's nonce ("-" for a job without a secret), and its check.
   static std::string prove(const World& world, const std::string& message);
@@ -65,6 +69,12 @@ struct WorldAccess {
   /// lockstep::split (replica_groups.h), which needs the world's own key
   /// prefix to name its sub-worlds' keys apart from every other world's.
   static World split(const World& world, int color);
+  /// The world of this rank's replica group (launcher ranks cut into
+  /// groups of `group_size`), formed again after the group was restarted
+  /// as a unit: `world` is a restarted rank's world of its own, and the
+  /// group's other ranks, restarted too, call this as well
+  /// (group_rendezvous.cpp).
+  static World rejoin_group(const World& world, int group_size);
   /// Every collective of `world`, waiting or to come, fails with
   /// CollectiveError saying `why`; once the world is let go of, what it
   /// held is released on a thread of its own (a stopped peer may hold its

@@ -171,6 +171,13 @@ std::optional<std::string> Liveness::failed(const std::string& identity) const {
   return failed(slot, incarnation);
 }
 
+bool Liveness::ended(int slot, int incarnation) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto found = view_.find(slot);
+  return found != view_.end() && found->second.incarnation == incarnation &&
+      found->second.state == store::SlotState::Ended;
+}
+
 int Liveness::incarnation_of(int slot) const {
   std::lock_guard<std::mutex> lock(mutex_);
   auto found = view_.find(slot);

@@ -64,6 +64,8 @@ class Liveness {
   /// The same for a process known by its identity (the ledger's peers);
   /// nullopt also for one that never said hello.
   std::optional<std::string> failed(const std::string& identity) const;
+  /// Whether `incarnation` of `slot` ended cleanly (said goodbye).
+  bool ended(int slot, int incarnation) const;
   /// The newest incarnation that said hello for `slot` (-1 if none).
   int incarnation_of(int slot) const;
   /// The incarnation that took this process's slot, once one has.

@@ -51,6 +51,15 @@ World split(const World& world, int color) {
 }
 
 ReplicaGroups replica_groups(const World& world, int ranks_per_replica) {
+  if (detail::WorldAccess::standby(world)) {
+    // Restarted: its group was restarted as a unit, and forms again.
+    int per = ranks_per_replica == 0 ? detail::WorldAccess::slots_per_host(world)
+                                     : ranks_per_replica;
+    LOCKSTEP_ENFORCE(per > 0 && detail::WorldAccess::slots(world) % per == 0, ConfigError,
+                     "replica_groups: ", per, " ranks per replica do not divide the job's ",
+                     detail::WorldAccess::slots(world), " ranks.");
+    return ReplicaGroups{detail::WorldAccess::rejoin_group(world, per), world, world};
+  }
   int per = ranks_per_replica == 0 ? world.local_size() : ranks_per_replica;
   // The hosts may differ (local_size): every rank learns every rank's
   // count, and raises alike.
@@ -64,7 +73,7 @@ ReplicaGroups replica_groups(const World& world, int ranks_per_replica) {
                    " ranks.");
   World replica = split(world, world.rank() / per);
   World across = split(world, world.rank() % per);
-  return ReplicaGroups{std::move(replica), std::move(across)};
+  return ReplicaGroups{std::move(replica), std::move(across), world};
 }
 
 } // namespace lockstep

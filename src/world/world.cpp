@@ -569,6 +569,7 @@ World init(const WorldOptions& options) {
   impl->config = detail::resolve_world(options, detail::process_environment());
   impl->replica = impl->config.rank;
   impl->slots = impl->config.size;
+  impl->slots_per_host = impl->config.local_size;
   detail::timeline::start(impl->config.rank);
   impl->job_store = detail::connect_job_store(impl->config);
   impl->store = impl->job_store->store();

@@ -29,6 +29,9 @@ struct World::Impl : std::enable_shared_from_this<World::Impl> {
   int replica = 0;
   // How many ranks the launcher started: the slots that restarts refill.
   int slots = 1;
+  // How many of them it started on each host (a replica group's size by
+  // default), kept where a restarted rank's world is one of its own.
+  int slots_per_host = 1;
   // Shared by the worlds that fault tolerance forms from this one; only
   // the world that init() made closes it.
   std::shared_ptr<detail::JobStore> job_store;

@@ -42,36 +42,12 @@
 #include <lockstep/lockstep.h>
 
 #include "store/client.h"
+#include "support/kill_plan.h"
 #include "support/models.h"
 #include "world/epoch_world.h"
 
-namespace {
-
-struct Kill {
-  int replica, incarnation;
-  int64_t step;
-  std::string phase;
-};
-
-std::vector<Kill> planned_kills() {
-  std::vector<Kill> kills;
-  const char* plan = std::getenv("LOCKSTEP_TEST_KILLS");
-  std::stringstream in(plan ? plan : "");
-  for (std::string item; std::getline(in, item, ',');) {
-    Kill kill;
-    char phase[32] = {0};
-    long long step = 0;
-    if (std::sscanf(item.c_str(), "%d:%d:%lld:%31s", &kill.replica, &kill.incarnation, &step,
-                    phase) == 4) {
-      kill.step = step;
-      kill.phase = phase;
-      kills.push_back(kill);
-    }
-  }
-  return kills;
-}
-
-} // namespace
+using lockstep::testing::Kill;
+using lockstep::testing::planned_kills;
 
 int train(int argc, char** argv) {
   int64_t steps = argc > 1 ? std::atoll(argv[1]) : 20;

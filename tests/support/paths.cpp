@@ -20,6 +20,9 @@ const char* elastic_float64_binary() {
 const char* diloco_float64_binary() {
   return DILOCO_FLOAT64_BINARY;
 }
+const char* groups_float64_binary() {
+  return GROUPS_FLOAT64_BINARY;
+}
 const char* hello_binary() {
   return HELLO_BINARY;
 }

@@ -14,6 +14,7 @@ const char* mnist_train_binary();
 const char* mnist_elastic_binary();
 const char* elastic_float64_binary();
 const char* diloco_float64_binary();
+const char* groups_float64_binary();
 const char* hello_binary();
 
 } // namespace lockstep::testing

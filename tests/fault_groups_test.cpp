@@ -1,0 +1,107 @@
+// lockstep::FaultTolerance over replica groups (torchft's FT-HSDP): FSDP,
+// or DDP, inside each group, fault tolerance across them. Real processes
+// under lockstep-run --restart rank, killed at chosen moments; a group with
+// a dead rank drops out whole and comes back whole, and each committed
+// step equals one process on the whole batch.
+
+#include <gtest/gtest.h>
+
+#include <lockstep/lockstep.h>
+
+#include "support/elastic_reference.h"
+#include "support/expect_error.h"
+#include "support/job_output.h"
+#include "support/models.h"
+#include "support/multiprocess.h"
+#include "support/paths.h"
+#include "support/process.h"
+#include "support/scratch_folder.h"
+
+namespace lockstep::testing {
+namespace {
+
+struct GroupKillPlan {
+  std::string name;
+  int ranks;
+  int group_size;
+  /// LOCKSTEP_TEST_INNER: "fsdp" or "ddp".
+  std::string inner;
+  /// LOCKSTEP_TEST_KILLS of groups_float64.
+  std::string kills;
+  /// Groups lost (each restarts all its ranks).
+  int groups_lost;
+  /// Ranks killed while they received the live state (which they then
+  /// never say they received).
+  int killed_in_rejoin = 0;
+};
+
+void PrintTo(const GroupKillPlan& plan, std::ostream* out) {
+  *out << plan.name;
+}
+
+std::vector<std::string> groups_job(const GroupKillPlan& plan, int64_t steps,
+                                    const ScratchFolder& out) {
+  return {lockstep_run_binary(), "--nproc-per-node", std::to_string(plan.ranks), "--restart",
+          "rank", "--max-restarts", std::to_string(4 * plan.group_size * plan.groups_lost + 1),
+          "--", groups_float64_binary(), std::to_string(steps), out.path(), "10"};
+}
+
+class FaultToleranceOverGroups : public ::testing::TestWithParam<GroupKillPlan> {};
+
+TEST_P(FaultToleranceOverGroups, AGroupWithADeadRankDropsOutWholeAndRejoinsEqualToOneProcess) {
+  const auto& plan = GetParam();
+  ScratchFolder out("ft-groups");
+  constexpr int64_t kSteps = 120;
+  auto result = run_process(groups_job(plan, kSteps, out),
+                            {{"LOCKSTEP_TEST_KILLS", plan.kills},
+                             {"LOCKSTEP_TEST_GROUP_SIZE", std::to_string(plan.group_size)},
+                             {"LOCKSTEP_TEST_INNER", plan.inner},
+                             {"LOCKSTEP_TIMEOUT", "30"},
+                             {"LOCKSTEP_JOB_SECRET", "groups"}},
+                            std::chrono::seconds(240));
+  ASSERT_TRUE(result.ok()) << result.status() << "\n" << result.output;
+  // Each lost group: its killed rank, and its others ending with it; all
+  // restarted, and each received its part of the live state.
+  const int restarts = plan.groups_lost * plan.group_size;
+  EXPECT_GE(occurrences(result.output, "killed by signal 9"), 1) << result.output;
+  EXPECT_GE(occurrences(result.output, "restarting it alone"), restarts) << result.output;
+  EXPECT_GE(occurrences(result.output, "of its replica group (launcher ranks"),
+            plan.groups_lost * (plan.group_size - 1))
+      << result.output;
+  EXPECT_GE(occurrences(result.output, "received the live state"),
+            restarts - plan.killed_in_rejoin * plan.group_size)
+      << result.output;
+  expect_committed_steps_match(out, plan.ranks, elastic_reference(kSteps));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Kills, FaultToleranceOverGroups,
+    ::testing::Values(
+        // Three groups of two, FSDP inside: a rank killed in forward (its
+        // peer is inside the group's gather), then one killed before
+        // commit (the other groups wait in the reduction across groups).
+        GroupKillPlan{"fsdp_3x2_forward_then_reduction", 6, 2, "fsdp",
+                      "2:0:20:forward,5:0:60:commit", 2},
+        // A rank of a group that is rejoining killed while it receives its
+        // part: the group drops out again, and comes back once more.
+        GroupKillPlan{"fsdp_3x2_during_rejoin", 6, 2, "fsdp", "1:0:20:begin,1:1:0:rejoin", 2,
+                      1},
+        // DDP inside groups of two, two groups.
+        GroupKillPlan{"ddp_2x2_step", 4, 2, "ddp", "3:0:30:step", 1}),
+    [](const ::testing::TestParamInfo<GroupKillPlan>& info) { return info.param.name; });
+
+// Groups cut from another world than init()'s would hide from fault
+// tolerance which launcher ranks fail and return together.
+TEST(FaultToleranceOverGroupsErrors, GroupsCutFromAnotherWorldThanTheJobsAreRefused) {
+  run_ranks(2, [](int) {
+    auto world = init();
+    auto groups = replica_groups(split(world, 0), 1);
+    Mlp model;
+    torch::optim::SGD optimizer(model->parameters(), 0.1);
+    expect_error<UsageError>([&] { FaultTolerance(groups, *model, optimizer); },
+                             {"takes groups cut from the job's world"});
+  });
+}
+
+} // namespace
+} // namespace lockstep::testing
