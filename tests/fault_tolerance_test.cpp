@@ -209,6 +209,32 @@ TEST_P(FaultToleranceSteadyStep, MakesNoStoreOperation) {
 
 INSTANTIATE_TEST_SUITE_P(Transports, FaultToleranceSteadyStep, ::testing::Values("shm", "gloo"));
 
+// Across hosts the ledger of collectives is kept in the job's store
+// (LOCKSTEP_STORE=tcp keeps it there on one host too): a rank's progress
+// goes there from a thread of its own, at most every 250 ms, never on a
+// collective's path. 100 steps of five collectives (three buckets, the
+// verdict, the sums) on 3 ranks made two store operations per collective
+// per rank (3000); now at most one per rank per 250 ms of the run.
+TEST(FaultToleranceSteadyStepAcrossHosts, TheLedgerStaysOffTheCollectivesPath) {
+  ScratchFolder out("ft-steady-ledger");
+  auto argv = elastic_job(3, 0, 150, out, 0);
+  auto start = Clock::now();
+  auto result = run_process(argv,
+                            {{"LOCKSTEP_TEST_COUNT_STORE", "20:120"},
+                             {"LOCKSTEP_STORE", "tcp"},
+                             {"LOCKSTEP_TRANSPORT", "gloo"}},
+                            std::chrono::seconds(120));
+  double wall = std::chrono::duration<double>(Clock::now() - start).count();
+  ASSERT_TRUE(result.ok()) << result.status() << "\n" << result.output;
+  std::smatch counted;
+  std::regex line("elastic_float64: ([0-9]+) store key operations in 100 steps");
+  ASSERT_TRUE(std::regex_search(result.output, counted, line)) << result.output;
+  double operations = std::stod(counted[1]);
+  EXPECT_LE(operations, 3 * (wall / 0.25 + 1)) << "in " << wall << " s";
+  EXPECT_LT(operations, 300) << "one or more per step per rank";
+  expect_committed_steps_match(out, 3, elastic_reference(150));
+}
+
 // One rank calls commit() while the others sum: every rank names the
 // misuse (the verdict carries what each sums), none meets a collective of
 // another shape.

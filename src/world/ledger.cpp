@@ -37,7 +37,11 @@ Ledger::Ledger(std::unique_ptr<LedgerBoard> board,
 
 void Ledger::arrive(uint64_t seq, const std::string& what) {
   try {
-    board_->post(seq, what);
+    if (compare_) {
+      board_->post(seq, what);
+    } else {
+      board_->post_soon(seq, what);
+    }
   } catch (const std::exception& e) {
     LOCKSTEP_FAIL(
         CollectiveError, "rank ", rank_, ": collective #", seq, " (", what,

@@ -31,8 +31,18 @@ struct Closed {
 class LedgerBoard {
  public:
   virtual ~LedgerBoard() = default;
-  /// Records that this rank reached collective `seq` to do `what`.
+  /// Records that this rank reached collective `seq` to do `what`, before
+  /// it returns (the others wait for it to compare: DETAIL).
   virtual void post(uint64_t seq, const std::string& what) = 0;
+  /// Records that this rank reached collective `seq`, soon: a board whose
+  /// every write is a round trip (the store's, across hosts) writes the
+  /// latest from a thread of its own, at most every few hundred
+  /// milliseconds, so that no collective waits on it. What a wait reads of
+  /// the others is then that old at most; it names a rank late only after
+  /// seconds.
+  virtual void post_soon(uint64_t seq, const std::string& what) {
+    post(seq, what);
+  }
   /// Whether `rank` has reached collective `seq` (asked only of the last
   /// few collectives).
   virtual bool reached(int rank, uint64_t seq) = 0;

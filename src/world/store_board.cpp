@@ -1,3 +1,9 @@
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "compat/c10d.h"
@@ -27,22 +33,53 @@ std::string closed_key(int rank) {
   return "closed/" + std::to_string(rank);
 }
 
+// How often at most a rank's progress goes to the store when nothing
+// waits for it: a few operations a second per rank, where a post per
+// collective was two round trips on every collective's path.
+constexpr auto kPostEvery = std::chrono::milliseconds(250);
+
 class StoreBoard : public LedgerBoard {
  public:
   StoreBoard(c10::intrusive_ptr<c10d::Store> store, int rank, int size)
       : store_(std::move(store)), rank_(rank), size_(size) {}
 
+  ~StoreBoard() override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    wake_.notify_all();
+    if (poster_.joinable()) {
+      poster_.join();
+    }
+  }
+
   void post(uint64_t seq, const std::string& what) override {
+    std::lock_guard<std::mutex> lock(store_mutex_);
     store_set(*store_, posted_key(seq, rank_), std::to_string(seq) + " " + what);
-    store_->add(reached_key(rank_), 1);
+    advance_to(seq);
+  }
+
+  void post_soon(uint64_t seq, const std::string& /*what*/) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!error_.empty()) {
+      throw std::runtime_error(error_);
+    }
+    pending_ = seq;
+    if (!poster_.joinable()) {
+      poster_ = std::thread([this] { run_poster(); });
+    }
+    wake_.notify_one();
   }
 
   bool reached(int rank, uint64_t seq) override {
+    std::lock_guard<std::mutex> lock(store_mutex_);
     return static_cast<uint64_t>(store_->add(reached_key(rank), 0)) >= seq;
   }
 
   std::optional<std::string> posted(int rank, uint64_t seq) override {
     auto key = posted_key(seq, rank);
+    std::lock_guard<std::mutex> lock(store_mutex_);
     if (!store_->check({key})) {
       return std::nullopt;
     }
@@ -56,10 +93,18 @@ class StoreBoard : public LedgerBoard {
   }
 
   void close(uint64_t count, bool failed, const std::string& cause) override {
+    std::lock_guard<std::mutex> lock(store_mutex_);
     if (closed_here_) {
       return;
     }
     closed_here_ = true;
+    // What this rank reached goes first: a reader of the close reads it.
+    uint64_t pending = 0;
+    {
+      std::lock_guard<std::mutex> state(mutex_);
+      pending = pending_;
+    }
+    advance_to(pending);
     auto text = std::to_string(count) + (failed ? " failed" : "") +
         (cause.empty() ? "" : "\n" + cause);
     store_set(*store_, closed_key(rank_), text);
@@ -67,6 +112,7 @@ class StoreBoard : public LedgerBoard {
   }
 
   std::map<int, Closed> closed() override {
+    std::lock_guard<std::mutex> lock(store_mutex_);
     // One round trip while no rank has closed, which is almost always.
     std::map<int, Closed> ranks;
     if (store_->add(kClosedCount, 0) == 0) {
@@ -86,10 +132,53 @@ class StoreBoard : public LedgerBoard {
   }
 
  private:
+  // The reached counter, up to `seq` (never back: a late post of the
+  // poster changes nothing after a newer one). Under store_mutex_.
+  void advance_to(uint64_t seq) {
+    if (seq > added_) {
+      store_->add(reached_key(rank_), static_cast<int64_t>(seq - added_));
+      added_ = seq;
+    }
+  }
+
+  void run_poster() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (true) {
+      wake_.wait(lock, [&] { return stopping_ || pending_ > written_; });
+      if (stopping_) {
+        return;
+      }
+      uint64_t seq = pending_;
+      written_ = seq;
+      lock.unlock();
+      try {
+        std::lock_guard<std::mutex> store_lock(store_mutex_);
+        advance_to(seq);
+      } catch (const std::exception& e) {
+        lock.lock();
+        error_ = e.what(); // the next collective raises it
+        return;
+      }
+      lock.lock();
+      wake_.wait_for(lock, kPostEvery, [&] { return stopping_; });
+    }
+  }
+
   c10::intrusive_ptr<c10d::Store> store_;
   int rank_;
   int size_;
+  // Held for every use of store_, which two threads share.
+  std::mutex store_mutex_;
   bool closed_here_ = false;
+  uint64_t added_ = 0;
+  // The poster's: the latest collective reached, and the latest written.
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::thread poster_;
+  uint64_t pending_ = 0;
+  uint64_t written_ = 0;
+  bool stopping_ = false;
+  std::string error_;
 };
 
 } // namespace
