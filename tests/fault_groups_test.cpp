@@ -63,8 +63,11 @@ TEST_P(FaultToleranceOverGroups, AGroupWithADeadRankDropsOutWholeAndRejoinsEqual
   // Each lost group: its killed rank, and its others ending with it; all
   // restarted, and each received its part of the live state.
   const int restarts = plan.groups_lost * plan.group_size;
-  EXPECT_GE(occurrences(result.output, "killed by signal 9"), 1) << result.output;
-  EXPECT_GE(occurrences(result.output, "restarting it alone"), restarts) << result.output;
+  EXPECT_EQ(occurrences(result.output, "killed by signal 9"), occurrences(plan.kills, ",") + 1)
+      << result.output;
+  EXPECT_EQ(occurrences(result.output, "restarting it alone"), restarts) << result.output;
+  EXPECT_EQ(occurrences(result.output, "judged hung"), 0) << result.output;
+  EXPECT_EQ(occurrences(result.output, ": 120 steps"), plan.ranks) << result.output;
   EXPECT_GE(occurrences(result.output, "of its replica group (launcher ranks"),
             plan.groups_lost * (plan.group_size - 1))
       << result.output;
@@ -90,12 +93,32 @@ INSTANTIATE_TEST_SUITE_P(
         GroupKillPlan{"ddp_2x2_step", 4, 2, "ddp", "3:0:30:step", 1}),
     [](const ::testing::TestParamInfo<GroupKillPlan>& info) { return info.param.name; });
 
+// A group lost just before the end: the other group finishes the loop,
+// and the lost group's restarted ranks, meeting again, find the loop
+// ended and leave; the job succeeds.
+TEST(FaultToleranceOverGroupsEnd, AGroupLostAtTheEndLeavesAndTheJobSucceeds) {
+  ScratchFolder out("ft-groups-end");
+  GroupKillPlan plan{"end", 4, 2, "fsdp", "3:0:117:step", 1};
+  auto result = run_process(groups_job(plan, 120, out),
+                            {{"LOCKSTEP_TEST_KILLS", plan.kills},
+                             {"LOCKSTEP_TEST_GROUP_SIZE", "2"},
+                             {"LOCKSTEP_TIMEOUT", "30"}},
+                            std::chrono::seconds(240));
+  ASSERT_TRUE(result.ok()) << result.status() << "\n" << result.output;
+  EXPECT_EQ(occurrences(result.output, "restarting it alone"), 2) << result.output;
+  EXPECT_EQ(occurrences(result.output, "after it found the job's loop ended: nothing to rejoin"),
+            2)
+      << result.output;
+  EXPECT_EQ(occurrences(result.output, ": 120 steps"), 2) << result.output;
+  expect_committed_steps_match(out, 4, elastic_reference(120));
+}
+
 // Groups cut from another world than init()'s would hide from fault
 // tolerance which launcher ranks fail and return together.
 TEST(FaultToleranceOverGroupsErrors, GroupsCutFromAnotherWorldThanTheJobsAreRefused) {
-  run_ranks(2, [](int) {
+  run_ranks(4, [](int) {
     auto world = init();
-    auto groups = replica_groups(split(world, 0), 1);
+    auto groups = replica_groups(split(world, 0), 2);
     Mlp model;
     torch::optim::SGD optimizer(model->parameters(), 0.1);
     expect_error<UsageError>([&] { FaultTolerance(groups, *model, optimizer); },

@@ -38,12 +38,8 @@ std::vector<Member> whole_groups(const std::vector<Member>& candidates, int grou
     for (const auto& member : members) {
       places.insert(member.replica % group_size);
     }
-    const auto& first = members.front();
-    bool one_state = std::all_of(members.begin(), members.end(), [&](const Member& m) {
-      return first.step < 0 ? m.step < 0 : !behind(m, first);
-    });
     if (static_cast<int>(places.size()) == group_size &&
-        static_cast<int>(members.size()) == group_size && one_state) {
+        static_cast<int>(members.size()) == group_size) {
       std::sort(members.begin(), members.end(),
                 [](const Member& a, const Member& b) { return a.replica < b.replica; });
       whole.insert(whole.end(), members.begin(), members.end());
@@ -82,8 +78,17 @@ std::optional<std::pair<int64_t, std::vector<Member>>> Agreement::next_epoch(
   auto failed = [&](const Member& m) { return liveness_.failed(m.replica, m.incarnation); };
   for (int look = 0;; ++look) {
     if (options_.unable) {
-      auto why = options_.unable();
-      LOCKSTEP_ENFORCE(why.empty(), FaultToleranceError, "rank ", me.replica, ": ", why);
+      if (auto why = options_.unable(); !why.empty()) {
+        // A rank of its group that left an ended loop is no failure: this
+        // rank leaves as well.
+        if (membership_.finished()) {
+          if (me.step < 0) {
+            leave_ended_job(membership_, me.replica, me.incarnation);
+          }
+          membership_.left(me.replica, me.incarnation, kLeft);
+        }
+        LOCKSTEP_FAIL(FaultToleranceError, "rank ", me.replica, ": ", why);
+      }
     }
     // One member decides: the live member of the last world with the
     // lowest rank (where none lives, the lowest that arrived). It waits
@@ -113,26 +118,7 @@ std::optional<std::pair<int64_t, std::vector<Member>>> Agreement::next_epoch(
       }
     }
     if (me.step < 0 && membership_.finished()) {
-      // An earlier incarnation of this rank in the last world trained to
-      // the end with it: it failed after the loop (a dropped member
-      // would have been left out of a later world), and that is the
-      // job's failure, not one that a restart covers.
-      auto last = membership_.latest();
-      auto earlier = std::find_if(last.members.begin(), last.members.end(), [&](const Member& m) {
-        return m.replica == me.replica && m.incarnation < me.incarnation;
-      });
-      if (earlier != last.members.end()) {
-        membership_.left(me.replica, me.incarnation, kCrashedAfterLoop);
-        LOCKSTEP_FAIL(FaultToleranceError, earlier->describe(), " failed after the job's "
-                      "loop: it was a member of the last world (epoch ", last.number, "), "
-                      "which trained to the end, so its restart has nothing to rejoin and "
-                      "the job fails (a failure after the loop is no fault that a restart "
-                      "covers).");
-      }
-      membership_.left(me.replica, me.incarnation, kLeft);
-      LOCKSTEP_FAIL(FaultToleranceError, "rank ", me.replica, " was restarted to rejoin, but "
-                    "the job's other ranks have finished their loop: there is no training "
-                    "left to rejoin.");
+      leave_ended_job(membership_, me.replica, me.incarnation);
     }
     if (!deciding && !waited_long && Clock::now() < deadline) {
       continue;

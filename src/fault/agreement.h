@@ -48,10 +48,12 @@ struct AgreementOptions {
 };
 
 /// Of `candidates`, those whose replica group (`group_size` consecutive
-/// launcher ranks) came whole, and holds one state: every member received
-/// it in the same world at the same step, or none holds any (a group
-/// restarted as a unit). A group that mixes them lost a rank that was
-/// restarted before its others ended: they are leaving.
+/// launcher ranks) came whole, in the order of their launcher ranks. (A
+/// group's ranks may hold unlike states, where one place received the
+/// live state and another failed to: each place's world then brings its
+/// own up to date. A restarted rank never comes beside a survivor of its
+/// group's failure: it comes only once its group formed again, of ranks
+/// all restarted since.)
 std::vector<Member> whole_groups(const std::vector<Member>& candidates, int group_size);
 
 class Agreement {

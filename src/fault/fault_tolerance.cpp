@@ -46,12 +46,17 @@ std::string group_failure(const Watch& watch, Liveness& liveness) {
 
 std::string give_up(Membership& membership, Liveness& liveness, int64_t epoch,
                     const std::string& why) {
-  auto stands = membership.abandon(epoch, why);
-  liveness.note(kAbandonNote + std::to_string(epoch));
+  // One note per epoch, by the rank whose reason stands: a note answers
+  // every watcher, and a thousand survivors that each saw a failure would
+  // otherwise send a thousand (a million answers). Should that rank die
+  // before its note goes, its death is what every watcher sees.
+  bool first = false;
+  auto stands = membership.abandon(epoch, why, &first);
+  if (first) {
+    liveness.note(kAbandonNote + std::to_string(epoch));
+  }
   return stands;
 }
-
-namespace {
 
 Signer signer_of(const World& base) {
   return Signer{[base](const std::string& claim) { return WorldAccess::prove(base, claim); },
@@ -61,7 +66,6 @@ Signer signer_of(const World& base) {
                 WorldAccess::has_secret(base)};
 }
 
-} // namespace
 } // namespace detail
 
 FaultTolerance::FaultTolerance(std::shared_ptr<detail::Reducer> reducer,
@@ -87,6 +91,10 @@ FaultTolerance::FaultTolerance(std::shared_ptr<detail::Guarded> guarded,
                      "unit that lockstep-run's ranks fail and return in.");
     impl.group_size = groups->replica.size();
     impl.group = groups->replica;
+    // The ranks of a group re-form together, as their group's commit
+    // decided, never on what one of them alone has seen: one would wait in
+    // the agreement while another waits for it in the group's collectives.
+    impl.reform_only_when_decided = true;
   }
   LOCKSTEP_ENFORCE(options.min_world_size() >= 1, ConfigError,
                    "FaultToleranceOptions::min_world_size must be 1 or more, not ",
@@ -211,6 +219,7 @@ void FaultTolerance::begin_step() {
   auto& impl = *impl_;
   LOCKSTEP_ENFORCE(!impl.in_step, UsageError, "begin_step() was called twice without "
                    "commit() between: every step ends with ft.commit().");
+  impl.check_group();
   if (impl.watch &&
       (impl.need_reform || (!impl.reform_only_when_decided && !impl.verdict().empty()))) {
     impl.reform();
@@ -324,7 +333,7 @@ bool FaultTolerance::Impl::commit(at::Tensor* sums) {
     // A group commits or drops a step whole (its ranks hold the parts of
     // one replica); one that drops what others committed is behind, and
     // receives their state when the world re-forms.
-    impl.agree_in_group(kept, join, summing, sums);
+    impl.agree_on_step_in_group(kept, join, summing, sums);
     if (!kept && failure.empty()) {
       failure = detail::give_up(*impl.membership, *impl.liveness, impl.epoch,
                                 "another rank of this rank's replica group dropped it");
@@ -347,23 +356,37 @@ bool FaultTolerance::Impl::commit(at::Tensor* sums) {
   return false;
 }
 
-void FaultTolerance::Impl::agree_in_group(bool& kept, bool& join, int64_t summing,
-                                          at::Tensor* sums) {
-  auto run = [&](at::Tensor& tensor, ReduceOp op) {
-    try {
-      group->all_reduce(tensor, op);
-    } catch (const CollectiveError& e) {
-      check_group(); // the reason, where the liveness has it
-      LOCKSTEP_FAIL(FaultToleranceError, "rank ", me.replica, ": its replica group could not "
-                    "agree on step ", committed, ": ", detail::first_line(e.what()));
-    } catch (const TimeoutError& e) {
-      LOCKSTEP_FAIL(FaultToleranceError, "rank ", me.replica, ": its replica group could not "
-                    "agree on step ", committed, ": ", detail::first_line(e.what()));
-    }
-  };
+// An all-reduce of `tensor` in the replica group's world; where the group
+// lost a rank, FaultToleranceError saying so (this rank ends with it).
+void FaultTolerance::Impl::reduce_in_group(at::Tensor& tensor, ReduceOp op,
+                                           const std::string& what) {
+  try {
+    group->all_reduce(tensor, op);
+  } catch (const CollectiveError& e) {
+    check_group(); // the reason, where the liveness has it
+    LOCKSTEP_FAIL(FaultToleranceError, "rank ", me.replica, ": its replica group could not "
+                  "agree whether it ", what, ": ", detail::first_line(e.what()));
+  } catch (const TimeoutError& e) {
+    LOCKSTEP_FAIL(FaultToleranceError, "rank ", me.replica, ": its replica group could not "
+                  "agree whether it ", what, ": ", detail::first_line(e.what()));
+  }
+}
+
+bool FaultTolerance::Impl::agree_in_group(bool holds, const std::string& what) {
+  if (!group) {
+    return holds;
+  }
+  auto flag = at::tensor({int64_t{holds ? 1 : 0}}, at::kLong);
+  reduce_in_group(flag, ReduceOp::Min, what);
+  return flag.item<int64_t>() == 1;
+}
+
+void FaultTolerance::Impl::agree_on_step_in_group(bool& kept, bool& join, int64_t summing,
+                                                  at::Tensor* sums) {
+  const std::string what = detail::str("keeps step ", committed);
   auto verdict = at::tensor({int64_t{kept ? 0 : 1}, int64_t{join ? 1 : 0}, summing, -summing},
                             at::kLong);
-  run(verdict, ReduceOp::Max);
+  reduce_in_group(verdict, ReduceOp::Max, what);
   const int64_t* agreed = verdict.data_ptr<int64_t>();
   LOCKSTEP_ENFORCE(agreed[2] == -agreed[3], UsageError, "ft.commit(sums) on some ranks of a "
                    "replica group at step ", committed, " and ft.commit() on others, or sums of "
@@ -372,7 +395,7 @@ void FaultTolerance::Impl::agree_in_group(bool& kept, bool& join, int64_t summin
   kept = agreed[0] == 0;
   join = agreed[1] > 0;
   if (kept && sums != nullptr) {
-    run(*sums, ReduceOp::Sum);
+    reduce_in_group(*sums, ReduceOp::Sum, what);
   }
 }
 

@@ -30,6 +30,9 @@ namespace detail {
 /// ("ft abandon <epoch>"; the reason, signed, is in the store).
 constexpr const char* kAbandonNote = "ft abandon ";
 
+/// Proves and checks claims with `base`'s job secret.
+Signer signer_of(const World& base);
+
 /// Gives `epoch` up for every member: the first reason given stands in the
 /// store, and a note wakes every watcher. Returns the reason that stands.
 std::string give_up(Membership& membership, Liveness& liveness, int64_t epoch,
@@ -82,7 +85,8 @@ struct FaultTolerance::Impl {
   bool need_reform = false;
   /// Re-form only where a commit decided it (a dropped step, a rank asking
   /// to join), never on a failure this rank alone has seen so far: where
-  /// the ranks are not in step between two steps (DiLoCo's inner steps),
+  /// the ranks are not in step between two steps (DiLoCo's inner steps, a
+  /// replica group's collectives),
   /// one that had not seen it yet would begin the step in the old world
   /// while another waits for it in the new one, an interval away. Begun in
   /// the old world, the step fails there on every rank and is dropped.
@@ -160,10 +164,14 @@ struct FaultTolerance::Impl {
   std::string world_scope(int64_t epoch, int place) const;
   /// Raises FaultToleranceError where this rank's replica group lost a rank.
   void check_group() const;
+  /// Whether every rank of the replica group holds `holds` (true without
+  /// groups: `holds` itself); `what` names it where the group lost a rank.
+  bool agree_in_group(bool holds, const std::string& what);
+  void reduce_in_group(at::Tensor& tensor, ReduceOp op, const std::string& what);
   /// Agrees inside the replica group on the step: whether every rank of
   /// it kept it (`kept` here), whether one saw a rank ask to join, and how
   /// each sums. Raises where the group lost a rank.
-  void agree_in_group(bool& kept, bool& join, int64_t summing, at::Tensor* sums);
+  void agree_on_step_in_group(bool& kept, bool& join, int64_t summing, at::Tensor* sums);
   /// Called on the liveness thread when the job's view changes.
   static void on_liveness(const std::shared_ptr<detail::Watch>& watch,
                           detail::Liveness& liveness, detail::Membership& notices,

@@ -1,5 +1,6 @@
 #include "fault/membership.h"
 
+#include <algorithm>
 #include <sstream>
 
 #include <lockstep/error.h>
@@ -228,11 +229,14 @@ bool Membership::await_arrivals(int64_t epoch, const std::vector<Member>& member
   return store_guarded("waited for the ranks to come", [&] { return client_->wait(keys, wait); });
 }
 
-std::string Membership::abandon(int64_t epoch, const std::string& why) {
+std::string Membership::abandon(int64_t epoch, const std::string& why, bool* first) {
+  auto proposed = sign(str("abandon|", epoch), why);
   auto stored = store_guarded("gave its world up", [&] {
-    return client_->compare_set(prefix_ + epoch_key(epoch, "abandoned"), "",
-                                sign(str("abandon|", epoch), why));
+    return client_->compare_set(prefix_ + epoch_key(epoch, "abandoned"), "", proposed);
   });
+  if (first != nullptr) {
+    *first = stored == proposed;
+  }
   return open(str("abandon|", epoch), "the reason epoch " + std::to_string(epoch) + " was given up",
               stored);
 }
@@ -326,6 +330,28 @@ void Membership::left(int replica, int incarnation, const char* why) {
                  sign(str("left|", replica, "|", incarnation), why));
     return 0;
   });
+}
+
+void leave_ended_job(Membership& membership, int replica, int incarnation) {
+  // An earlier incarnation of this rank in the last world trained to the
+  // end with it: it failed after the loop (a dropped member would have
+  // been left out of a later world), and that is the job's failure, not
+  // one that a restart covers.
+  auto last = membership.latest();
+  auto earlier = std::find_if(last.members.begin(), last.members.end(), [&](const Member& m) {
+    return m.replica == replica && m.incarnation < incarnation;
+  });
+  if (earlier != last.members.end()) {
+    membership.left(replica, incarnation, kCrashedAfterLoop);
+    LOCKSTEP_FAIL(FaultToleranceError, earlier->describe(), " failed after the job's loop: it "
+                  "was a member of the last world (epoch ", last.number, "), which trained to "
+                  "the end, so its restart has nothing to rejoin and the job fails (a failure "
+                  "after the loop is no fault that a restart covers).");
+  }
+  membership.left(replica, incarnation, kLeft);
+  LOCKSTEP_FAIL(FaultToleranceError, "rank ", replica, " was restarted to rejoin, but the "
+                "job's other ranks have finished their loop: there is no training left to "
+                "rejoin.");
 }
 
 } // namespace lockstep::detail

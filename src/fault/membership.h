@@ -130,8 +130,9 @@ class Membership {
   /// the store at the last arrival), at most `wait`.
   bool await_arrivals(int64_t epoch, const std::vector<Member>& members,
                       std::chrono::milliseconds wait);
-  /// Marks `epoch` as given up (the first reason stays); returns it.
-  std::string abandon(int64_t epoch, const std::string& why);
+  /// Marks `epoch` as given up (the first reason stays); returns it, and
+  /// in `first` whether it was this call's.
+  std::string abandon(int64_t epoch, const std::string& why, bool* first = nullptr);
   /// Deletes the keys of an epoch that nobody uses any more.
   void retire(int64_t epoch);
   /// Retires every epoch up to `epoch` not retired yet; returns them.
@@ -182,6 +183,13 @@ class Membership {
   int64_t highest_epoch_ = -1;
   int64_t highest_lineage_ = -1;
 };
+
+/// Leaves a job whose loop has ended (Membership::finished), as
+/// incarnation `incarnation` of launcher rank `replica`, restarted: where an
+/// earlier incarnation of it was a member of the last world, that one
+/// failed after the loop, and the job fails (kCrashedAfterLoop); otherwise
+/// it has nothing to rejoin (kLeft). Raises FaultToleranceError saying so.
+[[noreturn]] void leave_ended_job(Membership& membership, int replica, int incarnation);
 
 /// The values lockstep-run writes and reads (tools/lockstep-run).
 constexpr const char* kFinished = "ended";

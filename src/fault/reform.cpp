@@ -62,26 +62,38 @@ void FaultTolerance::Impl::reform() {
     auto [target, decided] = *next_epoch;
     // Over replica groups, this rank's world is its place's.
     auto ranked = at_my_place(decided);
+    // Whatever fails (lockstep's errors, Gloo's or c10d's while the world
+    // forms), the world of this epoch is given up on every rank.
+    std::string failure;
+    std::optional<World> next;
     try {
-      auto next = form(target, decided, ranked);
-      watch_world(target, decided, ranked, next);
-      bring_up_to_date(next, ranked, target);
+      next = form(target, decided, ranked);
+      watch_world(target, decided, ranked, *next);
+      bring_up_to_date(*next, ranked, target);
+    } catch (const FaultToleranceError&) {
+      throw;
+    } catch (const std::exception& e) {
+      failure = detail::first_line(detail::describe_exception(e));
+    }
+    // Over replica groups, every place of the group formed and holds the
+    // state, or none goes on: a group whose ranks left this in different
+    // states would wait in its own collectives for one another.
+    if (agree_in_group(failure.empty(), "formed its world of epoch " + std::to_string(target))) {
       // It holds the state this epoch begins from, even if the epoch is
       // given up below (no step of it commits without this rank).
       me.trained = target;
       // Before any step of this epoch: from here on its members hold the
       // live state, whichever of them dies next.
-      LOCKSTEP_ENFORCE(membership->mark_formed(target), CollectiveError, "epoch ", target,
-                       " was given up by the others while its world formed");
-      guarded->adopt_world(next);
-      world = next;
-    } catch (const FaultToleranceError&) {
-      throw;
-    } catch (const std::exception& e) {
-      // Whatever failed (lockstep's errors, Gloo's or c10d's while the
-      // group forms), the world of this epoch is given up on every rank.
-      auto why = detail::give_up(*membership, *liveness, target,
-                                 detail::first_line(detail::describe_exception(e)));
+      bool marked = membership->mark_formed(target);
+      if (!agree_in_group(marked, "marked epoch " + std::to_string(target) + " formed")) {
+        failure = detail::str("epoch ", target, " was given up by the others while its world "
+                              "formed");
+      }
+    } else if (failure.empty()) {
+      failure = "another rank of its replica group could not form its world";
+    }
+    if (!failure.empty()) {
+      auto why = detail::give_up(*membership, *liveness, target, failure);
       say(detail::str("the world of epoch ", target, " did not form: ", why));
       guarded->take_failure();
       LOCKSTEP_ENFORCE(Clock::now() < deadline, FaultToleranceError, "rank ", me.replica,
@@ -90,6 +102,8 @@ void FaultTolerance::Impl::reform() {
                        why);
       continue;
     }
+    guarded->adopt_world(*next);
+    world = *next;
     epoch = target;
     members = decided;
     me.trained = target;

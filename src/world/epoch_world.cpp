@@ -21,6 +21,10 @@ int WorldAccess::slots(const World& world) {
   return world.impl_->slots;
 }
 
+int WorldAccess::slots_per_host(const World& world) {
+  return world.impl_->slots_per_host;
+}
+
 bool WorldAccess::formed_by_init(const World& world) {
   return world.impl_->owns_job_store;
 }

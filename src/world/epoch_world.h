@@ -69,12 +69,6 @@ struct WorldAccess {
   /// lockstep::split (replica_groups.h), which needs the world's own key
   /// prefix to name its sub-worlds' keys apart from every other world's.
   static World split(const World& world, int color);
-  /// The world of this rank's replica group (launcher ranks cut into
-  /// groups of `group_size`), formed again after the group was restarted
-  /// as a unit: `world` is a restarted rank's world of its own, and the
-  /// group's other ranks, restarted too, call this as well
-  /// (group_rendezvous.cpp).
-  static World rejoin_group(const World& world, int group_size);
   /// Every collective of `world`, waiting or to come, fails with
   /// CollectiveError saying `why`; once the world is let go of, what it
   /// held is released on a thread of its own (a stopped peer may hold its

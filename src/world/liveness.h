@@ -19,6 +19,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "store/endpoint.h"
@@ -110,6 +111,8 @@ class Liveness {
 
   mutable std::mutex mutex_;
   std::map<int, store::SlotView> view_;
+  /// The slot each process (its identity) said hello for, last.
+  std::unordered_map<std::string, int> slot_of_identity_;
   uint64_t version_ = 0;
   std::optional<int> replaced_by_;
   std::function<void(const std::vector<std::string>&)> callback_;

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "common/wording.h"
+#include "fault/group_rendezvous.h"
 #include "world/epoch_world.h"
 #include "world/world_impl.h"
 
@@ -58,7 +59,7 @@ ReplicaGroups replica_groups(const World& world, int ranks_per_replica) {
     LOCKSTEP_ENFORCE(per > 0 && detail::WorldAccess::slots(world) % per == 0, ConfigError,
                      "replica_groups: ", per, " ranks per replica do not divide the job's ",
                      detail::WorldAccess::slots(world), " ranks.");
-    return ReplicaGroups{detail::WorldAccess::rejoin_group(world, per), world, world};
+    return ReplicaGroups{detail::rejoin_group(world, per), world, world};
   }
   int per = ranks_per_replica == 0 ? world.local_size() : ranks_per_replica;
   // The hosts may differ (local_size): every rank learns every rank's

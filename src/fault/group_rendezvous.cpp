@@ -13,25 +13,25 @@
 #include <thread>
 
 #include "common/wording.h"
+#include "fault/group_rendezvous.h"
+#include "fault/loop_state.h"
 #include "store/client.h"
 #include "world/epoch_world.h"
-#include "world/world_impl.h"
 
 namespace lockstep::detail {
 
-int WorldAccess::slots_per_host(const World& world) {
-  return world.impl_->slots_per_host;
-}
-
-World WorldAccess::rejoin_group(const World& world, int group_size) {
+World rejoin_group(const World& world, int group_size) {
   using Clock = std::chrono::steady_clock;
-  const auto& impl = *world.impl_;
-  const int group = impl.replica / group_size;
-  const int place = impl.replica % group_size;
-  auto client = impl.job_store->client();
+  const int replica = WorldAccess::replica(world);
+  const int incarnation = WorldAccess::incarnation(world);
+  const int group = replica / group_size;
+  const int place = replica % group_size;
+  auto client = WorldAccess::store_client(world);
+  Membership membership(WorldAccess::store_client(world), WorldAccess::key_prefix(world),
+                        signer_of(world));
   const std::string folder =
-      str(impl.job_store->key_prefix(), "/groups/", group_size, "/", group, "/");
-  client->set(folder + std::to_string(place), std::to_string(impl.config.incarnation));
+      str(WorldAccess::key_prefix(world), "/groups/", group_size, "/", group, "/");
+  client->set(folder + std::to_string(place), std::to_string(incarnation));
   auto read_posts = [&] {
     std::vector<std::string> posts;
     for (int p = 0; p < group_size; ++p) {
@@ -39,8 +39,17 @@ World WorldAccess::rejoin_group(const World& world, int group_size) {
     }
     return posts;
   };
-  const auto deadline = Clock::now() + impl.config.timeout;
+  const auto deadline = Clock::now() + world.timeout();
+  auto look_for_the_end = Clock::now();
   while (Clock::now() < deadline) {
+    if (Clock::now() >= look_for_the_end) {
+      // A group restarted after the job's loop ended (its rank failed
+      // after the loop, or its others ended meanwhile) waits for no one.
+      if (membership.finished()) {
+        leave_ended_job(membership, replica, incarnation);
+      }
+      look_for_the_end = Clock::now() + std::chrono::seconds(1);
+    }
     auto posts = read_posts();
     if (std::any_of(posts.begin(), posts.end(), [](const std::string& p) { return p.empty(); })) {
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -56,7 +65,7 @@ World WorldAccess::rejoin_group(const World& world, int group_size) {
     auto result = formed->get_future();
     std::thread([formed, world, place, group_size, scope] {
       try {
-        formed->set_value(form(world, place, group_size, scope));
+        formed->set_value(WorldAccess::form(world, place, group_size, scope));
       } catch (...) {
         formed->set_exception(std::current_exception());
       }
@@ -68,15 +77,16 @@ World WorldAccess::rejoin_group(const World& world, int group_size) {
       try {
         return result.get();
       } catch (const std::exception&) {
-        // A member that did not come: read the posts again.
+        // A member that did not come: read the posts again, in a while.
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
       }
     }
   }
-  LOCKSTEP_FAIL(RendezvousError, "rank ", impl.replica, " (incarnation ",
-                impl.config.incarnation, ") was restarted with its replica group ", group,
+  LOCKSTEP_FAIL(RendezvousError, "rank ", replica, " (incarnation ", incarnation,
+                ") was restarted with its replica group ", group,
                 " (launcher ranks ", group * group_size, " to ", (group + 1) * group_size - 1,
                 "), but the group's other ranks did not all come back within the world's "
-                "timeout (", seconds(impl.config.timeout), ").");
+                "timeout (", seconds(world.timeout()), ").");
 }
 
 } // namespace lockstep::detail
