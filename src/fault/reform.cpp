@@ -88,6 +88,14 @@ void FaultTolerance::Impl::reform() {
       if (!agree_in_group(marked, "marked epoch " + std::to_string(target) + " formed")) {
         failure = detail::str("epoch ", target, " was given up by the others while its world "
                               "formed");
+      } else {
+        try {
+          guarded->adopt_world(*next); // the wrapper's buckets, laid out in it
+        } catch (const FaultToleranceError&) {
+          throw;
+        } catch (const std::exception& e) {
+          failure = detail::first_line(detail::describe_exception(e));
+        }
       }
     } else if (failure.empty()) {
       failure = "another rank of its replica group could not form its world";
@@ -102,7 +110,6 @@ void FaultTolerance::Impl::reform() {
                        why);
       continue;
     }
-    guarded->adopt_world(*next);
     world = *next;
     epoch = target;
     members = decided;

@@ -17,7 +17,9 @@
 // bucket has left), commit (before commit) or step (after commit, before
 // optimizer.step); or, in forward, hang (its training thread sleeps for
 // ever; its heartbeat goes on) or throw (an exception that main catches,
-// exiting with 1 as C++ programs do).
+// exiting with 1 as C++ programs do); or, whether or not the world is whole,
+// send (while it sends the live state to a rank that rejoins, after the
+// model's and the optimizer's) or rejoin (while it receives it).
 // The loss is scaled by a lockstep::amp::GradScaler, registered too.
 // The learning rate follows a StepLR (halved every 50 steps) whose step
 // count is registered with FaultTolerance::register_state, so that a rank
@@ -63,8 +65,10 @@ int train(int argc, char** argv) {
   bool whole = false;
   auto maybe_die = [&](const char* phase) {
     for (const auto& kill : kills) {
-      bool due = kill.replica == replica && kill.incarnation == incarnation && whole &&
-          now_step >= kill.step;
+      // Inside a rejoin the world is not whole yet.
+      bool in_rejoin = kill.phase == "send" || kill.phase == "rejoin";
+      bool due = kill.replica == replica && kill.incarnation == incarnation &&
+          (whole || in_rejoin) && now_step >= kill.step;
       if (due && kill.phase == phase) {
         std::raise(SIGKILL);
       }
@@ -109,9 +113,11 @@ int train(int argc, char** argv) {
   if (unregistered == nullptr || std::string(unregistered) != "1") ft.register_state(
       "scheduler",
       [&](torch::serialize::OutputArchive& archive) {
+        maybe_die("send");
         archive.write("steps", torch::tensor(scheduled));
       },
       [&](torch::serialize::InputArchive& archive) {
+        maybe_die("rejoin");
         torch::Tensor steps;
         archive.read("steps", steps);
         // The sender's rate, which the optimizer's loading brought back
