@@ -493,6 +493,44 @@ Footprint settled(int pid, const std::string& socket) {
   return least;
 }
 
+// Liveness notes are not signed: a process that reaches the store but
+// holds no secret posts "ft abandon 0" (epoch 0, the one training), with a
+// reason written without the secret's proof. Every rank ignores both (and
+// says so) and trains on: no step is dropped, and the run equals one
+// process.
+TEST(FaultTolerance, AForgedNoteOrReasonToGiveAWorldUpIsIgnored) {
+  ScratchFolder out("ft-forged-note");
+  int port = free_port();
+  std::string error;
+  auto socket = store::socket_path(store::job_folder(store::private_base(error), port));
+  auto argv = std::vector<std::string>{lockstep::testing::lockstep_run_binary(), "--nproc-per-node",
+                                       "3", "--master-port", std::to_string(port), "--",
+                                       lockstep::testing::elastic_float64_binary(), "200",
+                                       out.path(), "10"};
+  Process job(argv, {{"LOCKSTEP_JOB_SECRET", "forged-notes"}});
+  auto deadline = Clock::now() + std::chrono::seconds(120);
+  wait_for_lines(out / "rank-0.log", 30, deadline);
+  store::StoreClient forger(store::Endpoint::unix_socket(socket), std::chrono::seconds(5));
+  forger.note("ft abandon 0");
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  // The job's keys are under its prefix: forge the reason wherever one
+  // would be, then tell everyone.
+  for (const auto& [key, value] : forger.get_prefix("")) {
+    auto at = key.find("/ft/epoch");
+    if (at != std::string::npos && at + 9 == key.size()) {
+      forger.set(key.substr(0, at) + "/ft/e0/abandoned", "forged\nproof 00");
+    }
+  }
+  forger.note("ft abandon 0");
+  auto result = job.wait_until(deadline);
+  ASSERT_TRUE(result.ok()) << result.status() << "\n" << result.output;
+  EXPECT_EQ(occurrences(result.output, "is dropped on every rank"), 0) << result.output;
+  EXPECT_EQ(occurrences(result.output, "200 steps, 0 dropped"), 3) << result.output;
+  EXPECT_GE(occurrences(result.output, "without a valid proof of the job secret"), 1)
+      << result.output;
+  expect_committed_steps_match(out, 3, elastic_reference(200));
+}
+
 // The short soak (bench/run-soak runs the long one): rank 2 is killed
 // twelve times while rank 0 trains on; what rank 0 holds and what the store
 // holds after the twelfth failure are what they were after the second, give

@@ -505,7 +505,9 @@ void FaultTolerance::Impl::on_liveness(const std::shared_ptr<detail::Watch>& wat
     if (!why.empty()) {
       why = detail::give_up(notices, liveness, watch->epoch, why);
     } else if (told) {
-      why = notices.abandon(watch->epoch, "given up"); // reads the reason that stands
+      // Notes are not signed: only a reason with its proof gives the world
+      // up (one is always written before its note).
+      why = notices.abandoned(watch->epoch).value_or("");
     }
   } catch (const FaultToleranceError&) {
     // The store is out of reach, or a reason without proof: this rank gives

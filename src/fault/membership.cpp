@@ -1,6 +1,7 @@
 #include "fault/membership.h"
 
 #include <algorithm>
+#include <iostream>
 #include <sstream>
 
 #include <lockstep/error.h>
@@ -230,15 +231,46 @@ bool Membership::await_arrivals(int64_t epoch, const std::vector<Member>& member
 }
 
 std::string Membership::abandon(int64_t epoch, const std::string& why, bool* first) {
+  const std::string key = prefix_ + epoch_key(epoch, "abandoned");
   auto proposed = sign(str("abandon|", epoch), why);
-  auto stored = store_guarded("gave its world up", [&] {
-    return client_->compare_set(prefix_ + epoch_key(epoch, "abandoned"), "", proposed);
-  });
-  if (first != nullptr) {
-    *first = stored == proposed;
+  std::string expected;
+  for (int attempt = 0;; ++attempt) {
+    auto stored = store_guarded("gave its world up",
+                                [&] { return client_->compare_set(key, expected, proposed); });
+    if (first != nullptr) {
+      *first = stored == proposed;
+    }
+    if (auto body = proven_body(str("abandon|", epoch), stored)) {
+      return *body;
+    }
+    // Written without the job's secret: not acted on, and replaced by this
+    // rank's reason (a forger could otherwise end every rank that gives
+    // its world up after it, or keep the epoch's reason from being told).
+    std::cerr << "lockstep WARNING: the job's store held a reason for giving epoch " << epoch
+              << " up without a valid proof of the job secret (a process without the secret "
+                 "wrote it); it is ignored and replaced." << std::endl;
+    LOCKSTEP_ENFORCE(attempt < 3, FaultToleranceError, "the job's store keeps holding a reason "
+                     "for giving epoch ", epoch, " up without a valid proof of the job secret: "
+                     "a process without the secret keeps writing it; keep the store's port "
+                     "closed to others (docs/world.md#security).");
+    expected = stored;
   }
-  return open(str("abandon|", epoch), "the reason epoch " + std::to_string(epoch) + " was given up",
-              stored);
+}
+
+std::optional<std::string> Membership::abandoned(int64_t epoch) {
+  auto stored = store_guarded("read why its world was given up", [&] {
+    return client_->get(prefix_ + epoch_key(epoch, "abandoned"));
+  });
+  if (!stored) {
+    return std::nullopt;
+  }
+  auto body = proven_body(str("abandon|", epoch), *stored);
+  if (!body) {
+    std::cerr << "lockstep WARNING: the job's store holds a reason for giving epoch " << epoch
+              << " up without a valid proof of the job secret (a process without the secret "
+                 "wrote it); it is ignored." << std::endl;
+  }
+  return body;
 }
 
 void Membership::retire(int64_t epoch) {

@@ -131,8 +131,12 @@ class Membership {
   bool await_arrivals(int64_t epoch, const std::vector<Member>& members,
                       std::chrono::milliseconds wait);
   /// Marks `epoch` as given up (the first reason stays); returns it, and
-  /// in `first` whether it was this call's.
+  /// in `first` whether it was this call's. A reason without a valid proof
+  /// is ignored (logged) and replaced.
   std::string abandon(int64_t epoch, const std::string& why, bool* first = nullptr);
+  /// Why `epoch` was given up, if it was (a reason without a valid proof
+  /// is ignored, and logged).
+  std::optional<std::string> abandoned(int64_t epoch);
   /// Deletes the keys of an epoch that nobody uses any more.
   void retire(int64_t epoch);
   /// Retires every epoch up to `epoch` not retired yet; returns them.
