@@ -41,15 +41,19 @@ World rejoin_group(const World& world, int group_size) {
   };
   const auto deadline = Clock::now() + world.timeout();
   auto look_for_the_end = Clock::now();
-  while (Clock::now() < deadline) {
+  // A group restarted after the job's loop ended (its rank failed after
+  // the loop, or its others ended meanwhile) waits for no one: looked for
+  // every second, in either wait.
+  auto leave_if_ended = [&] {
     if (Clock::now() >= look_for_the_end) {
-      // A group restarted after the job's loop ended (its rank failed
-      // after the loop, or its others ended meanwhile) waits for no one.
       if (membership.finished()) {
         leave_ended_job(membership, replica, incarnation);
       }
       look_for_the_end = Clock::now() + std::chrono::seconds(1);
     }
+  };
+  while (Clock::now() < deadline) {
+    leave_if_ended();
     auto posts = read_posts();
     if (std::any_of(posts.begin(), posts.end(), [](const std::string& p) { return p.empty(); })) {
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -72,6 +76,7 @@ World rejoin_group(const World& world, int group_size) {
     }).detach();
     while (result.wait_for(std::chrono::milliseconds(50)) != std::future_status::ready &&
            read_posts() == posts && Clock::now() < deadline) {
+      leave_if_ended();
     }
     if (result.wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
       try {

@@ -69,6 +69,11 @@ void FaultTolerance::Impl::reform() {
     try {
       next = form(target, decided, ranked);
       watch_world(target, decided, ranked, *next);
+      // Given up before the watch was on it, the epoch's note came to the
+      // watch of the last one: its reason is in the store.
+      if (auto given_up = membership->abandoned(target)) {
+        LOCKSTEP_FAIL(CollectiveError, "epoch ", target, " was given up: ", *given_up);
+      }
       bring_up_to_date(*next, ranked, target);
     } catch (const FaultToleranceError&) {
       throw;

@@ -98,13 +98,17 @@ class StoreBoard : public LedgerBoard {
       return;
     }
     closed_here_ = true;
-    // What this rank reached goes first: a reader of the close reads it.
+    // What this rank reached goes first, where it can: a reader of the
+    // close reads it (the close itself matters more).
     uint64_t pending = 0;
     {
       std::lock_guard<std::mutex> state(mutex_);
       pending = pending_;
     }
-    advance_to(pending);
+    try {
+      advance_to(pending);
+    } catch (const std::exception&) {
+    }
     auto text = std::to_string(count) + (failed ? " failed" : "") +
         (cause.empty() ? "" : "\n" + cause);
     store_set(*store_, closed_key(rank_), text);
@@ -151,15 +155,20 @@ class StoreBoard : public LedgerBoard {
       uint64_t seq = pending_;
       written_ = seq;
       lock.unlock();
+      std::string error;
       try {
         std::lock_guard<std::mutex> store_lock(store_mutex_);
         advance_to(seq);
       } catch (const std::exception& e) {
-        lock.lock();
-        error_ = e.what(); // the next collective raises it
-        return;
+        error = e.what();
       }
       lock.lock();
+      // While it fails, the next collective raises it (the store's host is
+      // gone); the poster goes on, and posts again once the store answers.
+      error_ = error;
+      if (!error.empty()) {
+        written_ = 0;
+      }
       wake_.wait_for(lock, kPostEvery, [&] { return stopping_; });
     }
   }
