@@ -85,21 +85,24 @@ class GroupReduction final : public Guarded {
         return e.what();
       }
       int64_t offset = 0;
+      // Read once, not a host read per parameter.
       auto counts = flat.narrow(0, flat.numel() - static_cast<int64_t>(indices.size()),
                                 static_cast<int64_t>(indices.size()))
-                        .to(at::kDouble);
+                        .to(at::kDouble)
+                        .contiguous();
+      const double* count = counts.data_ptr<double>();
+      const double groups = static_cast<double>(across_.size());
       for (size_t j = 0; j < indices.size(); ++j) {
         auto& param = params[indices[j]];
         auto sum = flat.narrow(0, offset, param.numel()).view(param.sizes());
         offset += param.numel();
-        if (counts[static_cast<int64_t>(j)].item<double>() == 0) {
+        if (count[j] == 0) {
           continue;
         }
-        auto average = sum / static_cast<double>(across_.size());
         if (param.grad().defined()) {
-          param.mutable_grad().copy_(average);
+          param.mutable_grad().copy_(sum).div_(groups);
         } else {
-          param.mutable_grad() = average.clone();
+          param.mutable_grad() = sum / groups;
         }
       }
     }

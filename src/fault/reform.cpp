@@ -118,7 +118,6 @@ void FaultTolerance::Impl::reform() {
     world = *next;
     epoch = target;
     members = decided;
-    me.trained = target;
     need_reform = false;
     if (world.rank() == 0 && me.replica % group_size == 0) {
       // The epochs before last are no one's any more: their keys, their
