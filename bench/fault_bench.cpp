@@ -12,6 +12,12 @@
 //                                      (FT 1); rank 0 prints "steady ft F
 //                                      ranks N p50 MS p99 MS store_ops K"
 //                                      over the STEPS after 20 untimed
+//   bench_fault rejoin STEPS WIDTH LAYERS   what a rejoin costs in memory:
+//                                      LAYERS Linear(WIDTH, WIDTH), Adam,
+//                                      batch 4, under FaultTolerance (each
+//                                      step reported as in elastic); at
+//                                      the end "rank R incarnation I sent
+//                                      B received B" (bytes of live state)
 
 #include <algorithm>
 #include <chrono>
@@ -20,6 +26,7 @@
 #include <filesystem>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 #include <unistd.h>
 
@@ -99,6 +106,40 @@ int steady(lockstep::World& world, int64_t steps, bool fault_tolerant) {
   return 0;
 }
 
+int rejoin(lockstep::World& world, int64_t steps, int64_t width, int64_t layers) {
+  torch::nn::Sequential model;
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    model->push_back(torch::nn::Linear(torch::nn::LinearOptions(width, width).bias(false)));
+    model->push_back(torch::nn::Tanh());
+  }
+  lockstep::DDP<torch::nn::Sequential> ddp(model, world);
+  torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(1e-4));
+  lockstep::FaultTolerance ft(
+      ddp, optimizer,
+      lockstep::FaultToleranceOptions().heartbeat_timeout(std::chrono::milliseconds(2000)));
+  auto x = torch::randn({4, width});
+  while (ft.step() < steps) {
+    ft.begin_step();
+    optimizer.zero_grad();
+    ddp->forward(x).pow(2).mean().backward();
+    if (ft.commit()) {
+      optimizer.step();
+      report(ft.step(), ft.world().size());
+    }
+    if (ft.world().size() < world.size()) {
+      // A rank is missing: its restart (seconds to start) rejoins before
+      // the run ends.
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+  }
+  const char* incarnation = std::getenv("LOCKSTEP_INCARNATION");
+  std::printf("rank %d incarnation %s sent %lld received %lld\n", launcher_rank(),
+              incarnation ? incarnation : "0",
+              static_cast<long long>(ft.stats().state_bytes_sent),
+              static_cast<long long>(ft.stats().state_bytes_received));
+  return 0;
+}
+
 } // namespace
 
 int main(int argc, char** argv) {
@@ -110,6 +151,10 @@ int main(int argc, char** argv) {
   torch::manual_seed(0);
   if (mode == "steady") {
     return steady(world, steps, argc > 3 && std::atoi(argv[3]) == 1);
+  }
+  if (mode == "rejoin") {
+    return rejoin(world, steps, argc > 3 ? std::atoll(argv[3]) : 4096,
+                  argc > 4 ? std::atoll(argv[4]) : 16);
   }
   lockstep::bench::Mlp model;
   lockstep::DDP<lockstep::bench::Mlp> ddp(model, world);

@@ -96,12 +96,14 @@ int main(int argc, char** argv) {
   auto folder = std::filesystem::temp_directory_path() /
       ("lockstep-ft-scale-" + std::to_string(::getpid()));
   std::filesystem::create_directories(folder);
-  store::StoreServer server(
-      store::ServerOptions{store::Endpoint::unix_socket((folder / "store").string()), latency});
+  const std::string secret = "ft-scale";
+  // With the secret, every connection proves it on connecting, as a job's.
+  store::StoreServer server(store::ServerOptions{
+      store::Endpoint::unix_socket((folder / "store").string()), latency, secured ? secret : ""});
   server.start();
   auto endpoint = server.endpoint();
+  endpoint.secret = secured ? secret : "";
   auto store_timeout = std::chrono::seconds(60);
-  const std::string secret = "ft-scale";
   detail::Signer signer{
       [&](const std::string& claim) {
         return secured ? detail::prove(secret, claim) : std::string("-");

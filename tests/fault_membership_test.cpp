@@ -29,7 +29,7 @@ class MembershipOverAStore : public ::testing::Test {
  protected:
   void SetUp() override {
     server_ = std::make_unique<store::StoreServer>(
-        store::ServerOptions{store::Endpoint::unix_socket(folder_ / "store"), {}});
+        store::ServerOptions{store::Endpoint::unix_socket(folder_ / "store"), {}, ""});
     server_->start();
   }
   std::unique_ptr<store::StoreClient> client() {

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <regex>
 #include <sstream>
 #include <thread>
@@ -140,11 +141,42 @@ INSTANTIATE_TEST_SUITE_P(
         // In forward, in backward, after the commit (during the step), at
         // the commit; two at once.
         KillPlan{3, "1:0:3:forward,2:0:6:backward,0:0:9:step,1:1:12:commit,2:1:30:begin", 5},
-        KillPlan{4, "3:0:5:backward,1:0:10:forward,2:0:10:forward", 3}),
+        KillPlan{4, "3:0:5:backward,1:0:10:forward,2:0:10:forward", 3},
+        // The sender of the live state dies while it sends (rank 1, up to
+        // date, waits for the transfer outside it): the next epoch's sender
+        // brings both restarts up to date.
+        KillPlan{3, "2:0:5:forward,0:0:5:send", 2}),
     [](const ::testing::TestParamInfo<KillPlan>& info) {
       return std::to_string(info.param.ranks) + "Ranks" + std::to_string(info.param.killed) +
           "Kills";
     });
+
+// The live state travels from its sender to the rank that rejoins, and to
+// no other, in pieces of FaultToleranceOptions::state_piece_bytes.
+TEST(FaultTolerance, TheLiveStateGoesOnlyToTheRankThatRejoinsInPieces) {
+  ScratchFolder out("ft-transfer");
+  constexpr int64_t kSteps = 60;
+  auto result = run_process(elastic_job(3, 1, kSteps, out, 10),
+                            {{"LOCKSTEP_TEST_KILLS", "2:0:5:forward"},
+                             {"LOCKSTEP_TEST_STATE_PIECE_BYTES", "1000"},
+                             {"LOCKSTEP_JOB_SECRET", "transfer"}},
+                            std::chrono::seconds(120));
+  ASSERT_TRUE(result.ok()) << result.status() << "\n" << result.output;
+  std::regex line("rank ([0-9]) incarnation ([0-9]): live state sent ([0-9]+) bytes, "
+                  "received ([0-9]+) bytes");
+  std::map<std::string, std::pair<int64_t, int64_t>> figures;
+  for (std::sregex_iterator it(result.output.begin(), result.output.end(), line), end;
+       it != end; ++it) {
+    figures[(*it)[1].str() + "." + (*it)[2].str()] = {std::stoll((*it)[3]), std::stoll((*it)[4])};
+  }
+  ASSERT_EQ(figures.size(), 3u) << result.output;
+  // Rank 0 (the lowest that holds the state) sends; rank 1 is up to date.
+  EXPECT_GT(figures["0.0"].first, 3000) << result.output; // pieces of 1000 bytes
+  EXPECT_EQ(figures["0.0"].second, 0);
+  EXPECT_EQ(figures["1.0"], std::make_pair(int64_t{0}, int64_t{0})) << result.output;
+  EXPECT_EQ(figures["2.1"], std::make_pair(int64_t{0}, figures["0.0"].first)) << result.output;
+  expect_committed_steps_match(out, 3, elastic_reference(kSteps));
+}
 
 int read_pid(const std::string& path) {
   int pid = 0;
@@ -493,11 +525,12 @@ Footprint settled(int pid, const std::string& socket) {
   return least;
 }
 
-// Liveness notes are not signed: a process that reaches the store but
-// holds no secret posts "ft abandon 0" (epoch 0, the one training), with a
-// reason written without the secret's proof. Every rank ignores both (and
-// says so) and trains on: no step is dropped, and the run equals one
-// process.
+// A process that reaches the store without the job secret is refused
+// every operation but a ping: it can post no note and write no key. Notes
+// are not signed: one that holds a proven connection (a bug, a stale
+// tool) posts "ft abandon 0" (epoch 0, the one training), with a reason
+// written without the secret's proof. Every rank ignores both (and says
+// so) and trains on: no step is dropped, and the run equals one process.
 TEST(FaultTolerance, AForgedNoteOrReasonToGiveAWorldUpIsIgnored) {
   ScratchFolder out("ft-forged-note");
   int port = free_port();
@@ -510,7 +543,13 @@ TEST(FaultTolerance, AForgedNoteOrReasonToGiveAWorldUpIsIgnored) {
   Process job(argv, {{"LOCKSTEP_JOB_SECRET", "forged-notes"}});
   auto deadline = Clock::now() + std::chrono::seconds(120);
   wait_for_lines(out / "rank-0.log", 30, deadline);
-  store::StoreClient forger(store::Endpoint::unix_socket(socket), std::chrono::seconds(5));
+  store::StoreClient stranger(store::Endpoint::unix_socket(socket), std::chrono::seconds(5));
+  EXPECT_THROW(stranger.note("ft abandon 0"), store::UnprovenError);
+  EXPECT_THROW(stranger.get_prefix(""), store::UnprovenError);
+  EXPECT_THROW(stranger.report(1, 0, "forged"), store::UnprovenError);
+  auto proven = store::Endpoint::unix_socket(socket);
+  proven.secret = "forged-notes";
+  store::StoreClient forger(proven, std::chrono::seconds(5));
   forger.note("ft abandon 0");
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   // The job's keys are under its prefix: forge the reason wherever one

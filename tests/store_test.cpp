@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include "store/client.h"
+#include "world/job_secret.h"
 #include "store/server.h"
 #include "store/wire.h"
 #include "support/scratch_folder.h"
@@ -33,7 +34,7 @@ class StoreOverSocket : public ::testing::TestWithParam<Endpoint::Kind> {
     auto endpoint = GetParam() == Endpoint::Kind::Unix
         ? Endpoint::unix_socket(folder_ / "store")
         : Endpoint::tcp("127.0.0.1", 0);
-    server_ = std::make_unique<StoreServer>(store::ServerOptions{endpoint, {}});
+    server_ = std::make_unique<StoreServer>(store::ServerOptions{endpoint, {}, ""});
     server_->start();
   }
   std::unique_ptr<StoreClient> client(std::chrono::milliseconds timeout = 5s) {
@@ -69,6 +70,70 @@ TEST_P(StoreOverSocket, KeysAndValuesAsC10dHasThem) {
   EXPECT_EQ(c->erase_prefix("e3/"), 10);
   EXPECT_TRUE(c->check({"e30/kept"}));
   EXPECT_EQ(c->num_keys(), 3);
+}
+
+// A store given the job's secret serves a connection only once it has
+// proven the secret over a nonce of its own: a client without the secret
+// may ping and nothing else; one with another is refused on connecting;
+// a proof that worked on one connection is worth nothing on another.
+TEST_P(StoreOverSocket, WithASecretOnlyAConnectionThatProvesItIsServed) {
+  auto endpoint = GetParam() == Endpoint::Kind::Unix
+      ? Endpoint::unix_socket(folder_ / "secured")
+      : Endpoint::tcp("127.0.0.1", 0);
+  StoreServer secured(store::ServerOptions{endpoint, {}, "s3cret"});
+  secured.start();
+  auto at = secured.endpoint();
+  at.secret = "s3cret";
+  StoreClient member(at, 5s);
+  member.set("k", "v");
+  EXPECT_EQ(member.get("k"), "v");
+  EXPECT_FALSE(member.hello(0, 0, 1s, "member").has_value());
+
+  StoreClient stranger(secured.endpoint(), 5s);
+  EXPECT_EQ(stranger.ping(), store::kGreeting);
+  EXPECT_THROW(stranger.get("k"), store::UnprovenError);
+  EXPECT_THROW(stranger.set("k", "forged"), store::UnprovenError);
+  EXPECT_THROW(stranger.erase_prefix(""), store::UnprovenError);
+  EXPECT_THROW(stranger.hello(0, 1000000, 1s, "forged"), store::UnprovenError);
+  EXPECT_THROW(stranger.report(0, 0, "forged"), store::UnprovenError);
+  EXPECT_THROW(stranger.goodbye(0, 0, 0), store::UnprovenError);
+  EXPECT_THROW(stranger.note("forged"), store::UnprovenError);
+  auto guess = secured.endpoint();
+  guess.secret = "guess";
+  EXPECT_THROW(StoreClient(guess, 5s), store::UnprovenError);
+  // A proof seen on one connection, replayed on another, is refused.
+  struct Raw {
+    int fd;
+    std::string ask(const std::string& request) {
+      (void)!::send(fd, request.data(), request.size(), MSG_NOSIGNAL);
+      char head[4];
+      EXPECT_EQ(::recv(fd, head, 4, MSG_WAITALL), 4);
+      std::string body(store::frame_length(head), '\0');
+      EXPECT_EQ(::recv(fd, body.data(), body.size(), MSG_WAITALL),
+                static_cast<ssize_t>(body.size()));
+      return body;
+    }
+    std::string nonce() {
+      auto body = ask(store::Writer(static_cast<uint8_t>(store::Op::Challenge)).finish());
+      return store::Reader(body.data() + 1, body.size() - 1).str();
+    }
+    int prove(const std::string& proof) {
+      return ask(store::Writer(static_cast<uint8_t>(store::Op::Prove)).str(proof).finish())[0];
+    }
+  };
+  std::string error;
+  Raw seen{store::connect_to(secured.endpoint(), Clock::now() + 5s, error)};
+  Raw replaying{store::connect_to(secured.endpoint(), Clock::now() + 5s, error)};
+  auto proof = detail::prove("s3cret", "store|" + seen.nonce());
+  replaying.nonce();
+  EXPECT_EQ(replaying.prove(proof), static_cast<int>(store::Status::Unproven));
+  EXPECT_EQ(seen.prove(proof), static_cast<int>(store::Status::Ok));
+  ::close(seen.fd);
+  ::close(replaying.fd);
+
+  EXPECT_EQ(member.get("k"), "v"); // nothing the others tried changed it
+  EXPECT_EQ(member.stats().slots, 1);
+  secured.stop();
 }
 
 TEST_P(StoreOverSocket, WaitsAreAnsweredWhenTheKeyComesOrAtTheirLimit) {
@@ -144,7 +209,7 @@ TEST_P(StoreOverSocket, GarbageClosesItsConnectionAndNothingElse) {
 }
 
 TEST_P(StoreOverSocket, ARequestThatTimesOutClosesItsConnectionAndTheNextReconnects) {
-  store::ServerOptions slow{server_->endpoint(), 300ms};
+  store::ServerOptions slow{server_->endpoint(), 300ms, ""};
   if (GetParam() == Endpoint::Kind::Unix) {
     slow.endpoint = Endpoint::unix_socket(folder_ / "slow");
   } else {
@@ -185,7 +250,7 @@ class StoreLiveness : public ::testing::Test {
  protected:
   void SetUp() override {
     server_ = std::make_unique<StoreServer>(
-        store::ServerOptions{Endpoint::unix_socket(folder_ / "store"), {}});
+        store::ServerOptions{Endpoint::unix_socket(folder_ / "store"), {}, ""});
     server_->start();
   }
   std::unique_ptr<StoreClient> client() {
@@ -241,6 +306,24 @@ TEST_F(StoreLiveness, ANewerIncarnationReplacesTheOlderOneWhichIsRefused) {
   EXPECT_FALSE(new_one->hello(2, 1, 10s, "b").has_value());
   auto late = client();
   EXPECT_EQ(late->hello(2, 0, 10s, "a"), 1) << "a stale incarnation is told the newer one";
+}
+
+// Two launchers that gave one incarnation out (a node replaced while its
+// old launcher lives on): the process that holds it stays, the other is
+// refused as stale; once the holder is gone, a process may take it (a
+// whole job restarted says hello as incarnation 0 again).
+TEST_F(StoreLiveness, AnotherProcessAsALiveIncarnationIsRefused) {
+  auto holder = client();
+  EXPECT_FALSE(holder->hello(2, 1, 10s, "replacement").has_value());
+  EXPECT_FALSE(holder->hello(2, 1, 10s, "replacement").has_value()) << "its own hello again";
+  auto rival = client();
+  EXPECT_EQ(rival->hello(2, 1, 10s, "old launcher's"), 1);
+  holder.reset(); // its connection closes: it exited
+  auto watcher = client();
+  uint64_t since = 0;
+  EXPECT_EQ(await_state(*watcher, since, 2, SlotState::Exited, 5s).incarnation, 1);
+  auto next = client();
+  EXPECT_FALSE(next->hello(2, 1, 10s, "restarted job").has_value());
 }
 
 TEST_F(StoreLiveness, AReportedProcessStaysFailedUntilItsProgressMoves) {

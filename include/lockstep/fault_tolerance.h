@@ -19,6 +19,7 @@
 //   }
 
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -77,6 +78,9 @@ struct FaultToleranceOptions {
   /// across hosts needs a secret, unless this says that the network is
   /// trusted.
   TORCH_ARG(bool, trusted_network) = false;
+  /// The live state travels to a rank that rejoins in pieces of at most
+  /// this many bytes: what the transfer adds in memory on either side.
+  TORCH_ARG(size_t, state_piece_bytes) = size_t{64} << 20;
 };
 
 /// What a fault-tolerant loop went through, for logs and figures.
@@ -89,6 +93,10 @@ struct FaultToleranceStats {
   double reform_seconds = 0;
   /// Of the last one alone.
   double last_reform_seconds = 0;
+  /// Bytes of live state this rank sent to ranks that rejoined, and
+  /// received where it rejoined (a rank up to date does neither).
+  int64_t state_bytes_sent = 0;
+  int64_t state_bytes_received = 0;
 };
 
 class FaultTolerance {

@@ -427,6 +427,9 @@ void FaultTolerance::Impl::on_liveness(const std::shared_ptr<detail::Watch>& wat
   if (!why.empty()) {
     watch->verdict = why;
     WorldAccess::abandon(*watch->world, why);
+    if (watch->transfer) {
+      WorldAccess::abandon(*watch->transfer, why);
+    }
   }
 }
 

@@ -47,6 +47,9 @@ struct Watch {
   int64_t epoch = -1;
   std::vector<Member> members;
   std::optional<World> world;
+  /// The world that carries the live state to ranks that rejoin, while it
+  /// does (given up with the epoch's).
+  std::optional<World> transfer;
   std::string verdict;
   /// A rank asked to join a later epoch (kWantNote) since this world formed.
   bool join_asked = false;
@@ -177,11 +180,21 @@ struct FaultTolerance::Impl {
                           detail::Liveness& liveness, detail::Membership& notices,
                           const std::vector<std::string>& notes);
   void reform();
-  /// Forms this rank's world of epoch `target` among `ranked`, given up
-  /// where a member of `decided` fails meanwhile.
+  /// Forms a world of epoch `target` among `ranked` under `scope`, given
+  /// up where a member of `decided` fails meanwhile, or (`within_epoch`: a
+  /// world formed inside the epoch's) where the epoch is given up.
   World form(int64_t target, const std::vector<detail::Member>& decided,
-             const std::vector<detail::Member>& ranked);
+             const std::vector<detail::Member>& ranked, const std::string& scope,
+             bool within_epoch = false);
+  /// The live state from the member of `ranked` (next's ranks) that holds
+  /// it to those behind it, who check it against its announcement.
   void bring_up_to_date(World& next, const std::vector<detail::Member>& ranked,
-                        int64_t target);
+                        const std::vector<detail::Member>& decided, int64_t target);
+  /// Until `sender` has announced what it sent in `target`; raises where
+  /// the epoch is given up meanwhile.
+  void await_state(int64_t target, const detail::Member& sender, const std::string& what);
+  /// The world that carries the live state now (none: nullopt), given up
+  /// at once where the epoch already is.
+  void set_transfer(std::optional<World> carrier);
 };
 } // namespace lockstep

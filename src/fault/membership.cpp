@@ -316,6 +316,12 @@ void Membership::announce_state(int64_t epoch, int source, int64_t step,
   });
 }
 
+bool Membership::state_announced(int64_t epoch, int source, std::chrono::milliseconds wait) {
+  return store_guarded("waited for the live state to be sent", [&] {
+           return client_->wait_get(prefix_ + epoch_key(epoch, str("state/", source)), wait);
+         }).has_value();
+}
+
 bool Membership::state_matches(int64_t epoch, int source, int64_t step,
                                const std::string& digest, std::chrono::milliseconds wait) {
   auto value = store_guarded("checked the live state", [&] {

@@ -144,6 +144,9 @@ class Membership {
 
   /// The sender of the live state in `epoch` says what it sent.
   void announce_state(int64_t epoch, int source, int64_t step, const std::string& digest);
+  /// Whether the sender of the live state in `epoch` has announced what it
+  /// sent (awaited at most `wait`; its proof is its receivers' to check).
+  bool state_announced(int64_t epoch, int source, std::chrono::milliseconds wait);
   /// Whether the sender's announcement for `epoch` (awaited at most
   /// `wait`) matches what was received.
   bool state_matches(int64_t epoch, int source, int64_t step, const std::string& digest,

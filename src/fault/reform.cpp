@@ -4,27 +4,24 @@
 // rank) decides who is in once every member of the last world has come or
 // is seen failed, by a compare-and-set over the latest epoch; the members
 // form a world of their own from the job's store; and a rank that is
-// behind receives the live state from the member that holds it, and checks
-// it against its sender's proof before it loads any of it.
+// behind receives the live state from the member that holds it (those up
+// to date take no part), streamed in pieces of bounded size, and checks it
+// against its sender's proof before it trains on any of it.
 
 #include <algorithm>
 #include <future>
-#include <limits>
-#include <sstream>
 #include <thread>
 
-#include <torch/serialize.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
 #include <torch/utils.h>
 
 #include "common/splitmix.h"
 #include "common/wording.h"
 #include "fault/loop_state.h"
-#include "optim/optimizer_bytes.h"
-#include "reducer/model_state.h"
-#include "world/broadcast_bytes.h"
+#include "fault/state_stream.h"
 #include "world/epoch_world.h"
 #include "compat/c10d.h"
-#include "world/job_secret.h"
 
 namespace lockstep {
 
@@ -67,14 +64,14 @@ void FaultTolerance::Impl::reform() {
     std::string failure;
     std::optional<World> next;
     try {
-      next = form(target, decided, ranked);
+      next = form(target, decided, ranked, world_scope(target, me.replica % group_size));
       watch_world(target, decided, ranked, *next);
       // Given up before the watch was on it, the epoch's note came to the
       // watch of the last one: its reason is in the store.
       if (auto given_up = membership->abandoned(target)) {
         LOCKSTEP_FAIL(CollectiveError, "epoch ", target, " was given up: ", *given_up);
       }
-      bring_up_to_date(*next, ranked, target);
+      bring_up_to_date(*next, ranked, decided, target);
     } catch (const FaultToleranceError&) {
       throw;
     } catch (const std::exception& e) {
@@ -95,6 +92,9 @@ void FaultTolerance::Impl::reform() {
                               "formed");
       } else {
         try {
+          // The old world goes before the wrapper lays its buckets out in
+          // the new one: its memory is let go of first.
+          world = *next;
           guarded->adopt_world(*next); // the wrapper's buckets, laid out in it
         } catch (const FaultToleranceError&) {
           throw;
@@ -115,7 +115,6 @@ void FaultTolerance::Impl::reform() {
                        why);
       continue;
     }
-    world = *next;
     epoch = target;
     members = decided;
     need_reform = false;
@@ -125,6 +124,7 @@ void FaultTolerance::Impl::reform() {
       for (auto old : membership->retire_through(target - 2)) {
         for (int place = 0; place < group_size; ++place) {
           WorldAccess::retire(base, world_scope(old, place));
+          WorldAccess::retire(base, world_scope(old, place) + "/state"); // its ledger
         }
       }
     }
@@ -141,7 +141,8 @@ void FaultTolerance::Impl::reform() {
 }
 
 World FaultTolerance::Impl::form(int64_t target, const std::vector<Member>& decided,
-                                 const std::vector<Member>& ranked) {
+                                 const std::vector<Member>& ranked, const std::string& scope,
+                                 bool within_epoch) {
   int rank = 0;
   while (!same_process(ranked[rank], me)) {
     ++rank;
@@ -156,8 +157,7 @@ World FaultTolerance::Impl::form(int64_t target, const std::vector<Member>& deci
   };
   auto forming = std::make_shared<Forming>();
   auto result = forming->formed.get_future();
-  std::thread([forming, base = base, rank, size = static_cast<int>(ranked.size()),
-               scope = world_scope(target, me.replica % group_size)] {
+  std::thread([forming, base = base, rank, size = static_cast<int>(ranked.size()), scope] {
     try {
       auto formed = WorldAccess::form(base, rank, size, scope);
       if (forming->given_up) {
@@ -176,6 +176,11 @@ World FaultTolerance::Impl::form(int64_t target, const std::vector<Member>& deci
         break;
       }
     }
+    if (why.empty() && within_epoch) {
+      // A world formed inside the epoch (the transfer's) is given up with
+      // it: a member that gave the epoch up never comes to its rendezvous.
+      why = verdict();
+    }
     if (!why.empty()) {
       forming->given_up = true;
       LOCKSTEP_FAIL(CollectiveError, "forming the world of epoch ", target, ": ", why);
@@ -184,93 +189,124 @@ World FaultTolerance::Impl::form(int64_t target, const std::vector<Member>& deci
   return result.get();
 }
 
-namespace {
-
-// The bytes of `tensor` (as sent), into `digest`.
-void add_tensor(detail::Digest& digest, const at::Tensor& tensor) {
-  auto bytes = tensor.contiguous().to(at::kCPU);
-  digest.add(bytes.data_ptr(), static_cast<size_t>(bytes.nbytes()));
-}
-
-} // namespace
-
 void FaultTolerance::Impl::bring_up_to_date(World& next, const std::vector<Member>& ranked,
-                                            int64_t target) {
+                                            const std::vector<Member>& decided, int64_t target) {
   int source = detail::live_state_source(ranked);
   TORCH_INTERNAL_ASSERT(source >= 0, "a world is decided only with a rank that holds state");
-  const auto& sender = ranked[static_cast<size_t>(source)];
-  if (std::none_of(ranked.begin(), ranked.end(),
-                   [&](const Member& m) { return detail::behind(m, sender); })) {
-    return;
+  const auto sender = ranked[static_cast<size_t>(source)];
+  // The state travels from the sender to the ranks behind it and to no
+  // other: in a world of their own where some of the epoch's are up to
+  // date (their order is next's).
+  std::vector<Member> taking;
+  int root = -1;
+  int my_part = -1;
+  for (size_t rank = 0; rank < ranked.size(); ++rank) {
+    if (static_cast<int>(rank) != source && !detail::behind(ranked[rank], sender)) {
+      continue;
+    }
+    if (static_cast<int>(rank) == source) {
+      root = static_cast<int>(taking.size());
+    }
+    if (same_process(ranked[rank], me)) {
+      my_part = static_cast<int>(taking.size());
+    }
+    taking.push_back(ranked[rank]);
   }
-  bool behind = !holds_state || detail::behind(me, sender);
-  if (behind) {
-    holds_state = false; // until all of it has arrived, and checked out
+  if (taking.size() == 1) {
+    return;
   }
   std::string what = detail::str("the live state of rank ", sender.replica, " at step ",
                                  sender.step);
-  auto tensors = guarded->replica_tensors(/*buffers_only=*/false);
-  auto flats = detail::broadcast_flat(next, source, tensors, what);
-  std::string optimizer_state = next.rank() == source ? detail::optimizer_bytes(optimizer) : "";
-  detail::broadcast_bytes(next, source, optimizer_state, "the optimizer's state of " + what);
-  std::string program_state;
-  if (next.rank() == source) {
-    torch::serialize::OutputArchive archive;
-    for (const auto& state : user_states) {
-      torch::serialize::OutputArchive part;
-      state.save(part);
-      archive.write(state.name, part);
-    }
-    std::ostringstream out;
-    archive.save_to(out);
-    program_state = out.str();
+  if (my_part < 0) {
+    await_state(target, sender, what);
+    return;
   }
-  detail::broadcast_bytes(next, source, program_state, "the program's state of " + what);
-  if (next.rank() != source && !behind) {
-    return; // up to date: nothing to announce or check
-  }
-  detail::Digest digest;
-  digest.add(&sender.step, sizeof(sender.step));
-  for (const auto& flat : flats) {
-    add_tensor(digest, flat);
-  }
-  digest.add(optimizer_state.data(), optimizer_state.size());
-  digest.add(program_state.data(), program_state.size());
-  auto digest_text = digest.finish();
-  if (next.rank() == source) {
-    membership->announce_state(target, sender.replica, sender.step, digest_text);
-  }
+  bool behind = my_part != root;
   if (behind) {
-    LOCKSTEP_ENFORCE(
-        membership->state_matches(target, sender.replica, sender.step, digest_text,
-                                  options.timeout()),
-        FaultToleranceError, "rank ", me.replica, ": ", what, " does not match what its "
-        "sender announced in the job's store (a process without the job secret, or a "
-        "corrupted transfer): this rank refuses to load it and ends.");
-    detail::unflatten_into(tensors, flats);
-    detail::load_optimizer_bytes(optimizer, optimizer_state);
-    if (!user_states.empty()) {
-      torch::serialize::InputArchive archive;
-      std::istringstream in(program_state);
-      archive.load_from(in);
-      for (const auto& state : user_states) {
-        torch::serialize::InputArchive part;
-        LOCKSTEP_ENFORCE(archive.try_read(state.name, part), FaultToleranceError, "rank ",
-                         me.replica, ": the state registered as '", state.name, "' did not "
-                         "come with ", what, ": register the same names on every rank.");
-        state.load(part);
-      }
-    }
-    // Its own stream: from the job's seed, its launcher rank and the step.
-    uint64_t state = options.seed();
-    state ^= detail::splitmix64(state) ^ static_cast<uint64_t>(me.replica);
-    state ^= detail::splitmix64(state) ^ static_cast<uint64_t>(sender.step);
-    torch::manual_seed(detail::splitmix64(state));
-    say(detail::str("received ", what, " (model, optimizer state, step",
-                    user_states.empty() ? "" : ", program state", ")"));
+    holds_state = false; // until all of it has arrived, and checked out
   }
+  World carrier = taking.size() == ranked.size()
+      ? next
+      : form(target, decided, taking, world_scope(target, me.replica % group_size) + "/state",
+             /*within_epoch=*/true);
+  set_transfer(carrier);
+  std::optional<torch::serialize::InputArchive> program_state;
+  std::string digest;
+  uint64_t travelled = 0;
+  try {
+    detail::StateStream stream(carrier, root, options.state_piece_bytes(), what);
+    detail::stream_tensors(stream, guarded->replica_tensors(/*buffers_only=*/false));
+    detail::stream_optimizer(stream, optimizer);
+    // The program's own state is loaded only once all of it is checked.
+    detail::stream_archive(
+        stream,
+        [&](torch::serialize::OutputArchive& archive) {
+          for (const auto& state : user_states) {
+            torch::serialize::OutputArchive part;
+            state.save(part);
+            archive.write(state.name, part);
+          }
+        },
+        [&](torch::serialize::InputArchive& archive) { program_state.emplace(std::move(archive)); });
+    digest = stream.finish();
+    travelled = stream.bytes();
+  } catch (...) {
+    set_transfer(std::nullopt);
+    throw;
+  }
+  set_transfer(std::nullopt);
+  if (!behind) {
+    stats.state_bytes_sent += static_cast<int64_t>(travelled);
+    membership->announce_state(target, sender.replica, sender.step, digest);
+    return;
+  }
+  stats.state_bytes_received += static_cast<int64_t>(travelled);
+  // Its model and optimizer already hold what arrived: a rank that cannot
+  // check it ends here, and trains on none of it.
+  LOCKSTEP_ENFORCE(
+      membership->state_matches(target, sender.replica, sender.step, digest, options.timeout()),
+      FaultToleranceError, "rank ", me.replica, ": ", what, " does not match what its "
+      "sender announced in the job's store (a process without the job secret, or a "
+      "corrupted transfer): this rank refuses to train on it and ends.");
+  for (const auto& state : user_states) {
+    torch::serialize::InputArchive part;
+    LOCKSTEP_ENFORCE(program_state->try_read(state.name, part), FaultToleranceError, "rank ",
+                     me.replica, ": the state registered as '", state.name, "' did not "
+                     "come with ", what, ": register the same names on every rank.");
+    state.load(part);
+  }
+  // Its own stream: from the job's seed, its launcher rank and the step.
+  uint64_t seed = options.seed();
+  seed ^= detail::splitmix64(seed) ^ static_cast<uint64_t>(me.replica);
+  seed ^= detail::splitmix64(seed) ^ static_cast<uint64_t>(sender.step);
+  torch::manual_seed(detail::splitmix64(seed));
+  say(detail::str("received ", what, " (model, optimizer state, step",
+                  user_states.empty() ? "" : ", program state", "; ", travelled, " bytes)"));
   committed = sender.step;
   holds_state = true;
+}
+
+void FaultTolerance::Impl::await_state(int64_t target, const Member& sender,
+                                       const std::string& what) {
+  // Up to date, this rank waits (in the store, as every re-forming does)
+  // until the sender has sent: the epoch's first collective would
+  // otherwise wait for the ranks in the transfer, and take them for hung
+  // after FaultToleranceOptions::step_timeout.
+  while (!membership->state_announced(target, sender.replica, std::chrono::milliseconds(200))) {
+    auto why = verdict();
+    if (!why.empty()) {
+      LOCKSTEP_FAIL(CollectiveError, "epoch ", target, " was given up while ", what,
+                    " travelled: ", why);
+    }
+  }
+}
+
+void FaultTolerance::Impl::set_transfer(std::optional<World> carrier) {
+  std::lock_guard<std::mutex> lock(watch->mutex);
+  watch->transfer = std::move(carrier);
+  if (watch->transfer && !watch->verdict.empty()) {
+    WorldAccess::abandon(*watch->transfer, watch->verdict);
+  }
 }
 
 } // namespace lockstep

@@ -31,6 +31,21 @@ void load_optimizer(torch::optim::Optimizer& optimizer, torch::serialize::InputA
   load_group_options(optimizer, archive);
 }
 
+void save_group_options(const torch::optim::Optimizer& optimizer,
+                        torch::serialize::OutputArchive& archive) {
+  const auto& mine = optimizer.param_groups();
+  torch::serialize::OutputArchive groups;
+  groups.write("param_groups/size", at::tensor(static_cast<int64_t>(mine.size())));
+  for (size_t i = 0; i < mine.size(); ++i) {
+    torch::serialize::OutputArchive options;
+    mine[i].options().serialize(options);
+    torch::serialize::OutputArchive group;
+    group.write("options", options);
+    groups.write("param_groups/" + std::to_string(i), group);
+  }
+  archive.write("param_groups", groups);
+}
+
 void load_group_options(torch::optim::Optimizer& optimizer,
                         torch::serialize::InputArchive& archive) {
   // The layout that torch/optim/serialize.h writes: param_groups/size, then

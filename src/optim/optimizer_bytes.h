@@ -11,6 +11,7 @@ class Optimizer;
 
 namespace torch::serialize {
 class InputArchive;
+class OutputArchive;
 } // namespace torch::serialize
 
 namespace lockstep::detail {
@@ -25,6 +26,11 @@ void load_optimizer_bytes(torch::optim::Optimizer& optimizer, const std::string&
 /// restores them too; doing it again changes nothing). Python's
 /// load_state_dict restores both.
 void load_optimizer(torch::optim::Optimizer& optimizer, torch::serialize::InputArchive& archive);
+
+/// `optimizer`'s groups' options alone, as its save() writes them (no
+/// per-parameter state): what load_group_options reads.
+void save_group_options(const torch::optim::Optimizer& optimizer,
+                        torch::serialize::OutputArchive& archive);
 
 /// The groups' options as saved in `archive` (by any torch::optim
 /// optimizer's save), into `optimizer`'s groups. Nothing when the archive

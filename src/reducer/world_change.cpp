@@ -52,6 +52,24 @@ void Reducer::adopt_world(World world) {
   auto& state = *state_;
   std::lock_guard<std::mutex> lock(state.mutex);
   TORCH_INTERNAL_ASSERT(!state.backward.open, "a world is adopted between iterations");
+  // The old buckets live in the old world's memory: they go first, with
+  // the gradients that are views into them (the step they belonged to is
+  // over: committed and stepped, or dropped), so that a change of world
+  // never holds the gradients twice (once more the model's size, on every
+  // rank) while the old world is let go of.
+  {
+    at::NoGradGuard no_grad;
+    for (size_t index = 0; index < state.layout.bucket_of.size() && !state.layout.buckets.empty();
+         ++index) {
+      auto& grad = state.params[index].mutable_grad();
+      if (!state.sparse[index] &&
+          state.layout.buckets[state.layout.bucket_of[index]].holds(state.layout.slot_of[index],
+                                                                    grad)) {
+        grad = at::Tensor();
+      }
+    }
+    state.layout.buckets.clear();
+  }
   state.world = std::move(world);
   state.adopted_unchecked = true;
   state.backward = State::Backward{};

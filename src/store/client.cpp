@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "store/wire.h"
+#include "world/job_secret.h"
 
 namespace lockstep::store {
 namespace {
@@ -62,8 +63,36 @@ void StoreClient::connect(Clock::time_point deadline, bool retry) {
   if (fd < 0) {
     throw StoreError("cannot reach the store at " + endpoint_.describe() + ": " + error);
   }
-  std::lock_guard<std::mutex> lock(fd_mutex_);
-  fd_ = fd;
+  {
+    std::lock_guard<std::mutex> lock(fd_mutex_);
+    fd_ = fd;
+  }
+  if (endpoint_.secret.empty()) {
+    return;
+  }
+  // Over a nonce of the store's: a proof seen on the wire proves nothing
+  // on another connection.
+  Status proved = Status::Invalid;
+  try {
+    auto challenge = exchange(Writer(static_cast<uint8_t>(Op::Challenge)).finish(), {});
+    if (status_of(challenge) == Status::Ok) {
+      auto nonce = fields(challenge).str();
+      proved = status_of(exchange(Writer(static_cast<uint8_t>(Op::Prove))
+                                      .str(detail::prove(endpoint_.secret, "store|" + nonce))
+                                      .finish(),
+                                  {}));
+    }
+  } catch (const Malformed&) {
+  }
+  if (proved != Status::Ok) {
+    disconnect();
+    if (proved == Status::Unproven) {
+      throw UnprovenError("the store at " + endpoint_.describe() + " holds another job secret "
+                          "than this process's");
+    }
+    throw StoreError("the store at " + endpoint_.describe() + " did not answer a proof of the "
+                     "job secret: is it a lockstep store?");
+  }
 }
 
 void StoreClient::disconnect() {
@@ -83,15 +112,24 @@ void StoreClient::interrupt() {
 
 std::string StoreClient::call(const std::string& request, std::chrono::milliseconds wait) {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (fd_ < 0) {
+    // Once: the store answered before, and one that refuses now is gone.
+    connect(Clock::now() + timeout_, /*retry=*/false);
+  }
+  auto body = exchange(request, wait);
+  if (status_of(body) == Status::Unproven) {
+    throw UnprovenError("the store at " + endpoint_.describe() + " requires the job secret, "
+                        "and this process did not prove it");
+  }
+  return body;
+}
+
+std::string StoreClient::exchange(const std::string& request, std::chrono::milliseconds wait) {
   auto deadline = Clock::now() + wait + timeout_;
   auto fail = [&](const std::string& why) {
     disconnect();
     throw StoreError("the store at " + endpoint_.describe() + " " + why);
   };
-  if (fd_ < 0) {
-    // Once: the store answered before, and one that refuses now is gone.
-    connect(Clock::now() + timeout_, /*retry=*/false);
-  }
   size_t sent = 0;
   while (sent < request.size()) {
     pollfd writable{fd_, POLLOUT, 0};

@@ -27,6 +27,13 @@ class StoreError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+/// The store has the job's secret, and this client did not prove it (it
+/// has none, or another).
+class UnprovenError : public StoreError {
+ public:
+  using StoreError::StoreError;
+};
+
 class StoreClient {
  public:
   /// Connects, retrying while nothing listens yet, for at most `timeout`.
@@ -84,6 +91,9 @@ class StoreClient {
  private:
   // The answer's body (status first); throws StoreError.
   std::string call(const std::string& request, std::chrono::milliseconds wait);
+  /// One request and its answer on the connection there is.
+  std::string exchange(const std::string& request, std::chrono::milliseconds wait);
+  /// Connects and, where the endpoint carries the job's secret, proves it.
   void connect(std::chrono::steady_clock::time_point deadline, bool retry = true);
   void disconnect();
 

@@ -14,6 +14,10 @@ struct Endpoint {
   std::string path;  // Unix
   std::string host;  // Tcp
   int port = 0;      // Tcp; 0 to listen on a free port
+  /// The job's secret, or "": a client proves that it holds it on
+  /// connecting (never sending it). Not part of to_string(), which may be
+  /// printed and is passed to other processes.
+  std::string secret;
 
   static Endpoint unix_socket(std::string path);
   static Endpoint tcp(std::string host, int port);

@@ -23,6 +23,14 @@ std::optional<int> LivenessTable::hello(int slot, int incarnation,
   if (entry.incarnation > incarnation) {
     return entry.incarnation;
   }
+  // Another process as the same incarnation while the one that holds it
+  // lives: two launchers gave one incarnation out (a node replaced while
+  // its old launcher lives on). The one that holds it stays; the other is
+  // refused as stale, so that no two processes act as one member.
+  if (entry.incarnation == incarnation && !entry.identity.empty() &&
+      entry.identity != identity && entry.state == SlotState::Alive) {
+    return entry.incarnation;
+  }
   bool same = entry.incarnation == incarnation && entry.identity == identity;
   entry.incarnation = incarnation;
   entry.identity = identity;

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <ctime>
 #include <cstring>
 #include <algorithm>
@@ -24,6 +25,7 @@
 
 #include "store/liveness_table.h"
 #include "store/wire.h"
+#include "world/job_secret.h"
 
 namespace lockstep::store {
 namespace {
@@ -65,6 +67,10 @@ struct Connection {
   // The slot it beats for (Hello), and whether it said goodbye.
   int slot = -1;
   int incarnation = -1;
+  // Where the store has a secret: the nonce it was challenged with, and
+  // whether it proved the secret over it.
+  std::string nonce;
+  bool proven = false;
 };
 
 std::string answer(Status status) {
@@ -101,6 +107,8 @@ struct StoreServer::Impl {
   std::optional<Clock::time_point> listener_paused_until;
   int64_t operations = 0;
   int64_t key_operations = 0;
+  int64_t unproven = 0;
+  Clock::time_point next_unproven_log{};
 
   explicit Impl(ServerOptions options_in) : options(std::move(options_in)) {
     std::string error;
@@ -304,9 +312,41 @@ struct StoreServer::Impl {
     }
   }
 
+  // Whether `connection` may run `op`: one that has not proven the job's
+  // secret (where the store has one) may only ping and prove it.
+  bool admitted(Connection& connection, Op op) {
+    if (options.secret.empty() || connection.proven || op == Op::Ping ||
+        op == Op::Challenge || op == Op::Prove) {
+      return true;
+    }
+    send(connection, answer(Status::Unproven));
+    refused_unproven("an operation (" + std::to_string(static_cast<int>(op)) + ")");
+    return false;
+  }
+
+  // Logged at most once a second, with how many since: a stranger that
+  // keeps trying fills no disk.
+  void refused_unproven(const std::string& what) {
+    ++unproven;
+    auto now = Clock::now();
+    if (now < next_unproven_log) {
+      return;
+    }
+    std::fprintf(stderr, "lockstep: the job's store at %s refused %s of a process that did not "
+                 "prove that it holds the job secret (%lld refusal(s) so far)\n",
+                 options.endpoint.describe().c_str(), what.c_str(),
+                 static_cast<long long>(unproven));
+    next_unproven_log = now + std::chrono::seconds(1);
+  }
+
   void serve(Connection& connection, Reader& request) {
     auto op = static_cast<Op>(request.u8());
+    if (!admitted(connection, op)) {
+      return;
+    }
     switch (op) {
+      case Op::Challenge:
+      case Op::Prove:
       case Op::Ping:
       case Op::Hello:
       case Op::Watch:
@@ -323,6 +363,22 @@ struct StoreServer::Impl {
       case Op::Ping:
         send(connection, Writer(0).str(kGreeting).finish());
         return;
+      case Op::Challenge:
+        connection.nonce = options.secret.empty() ? "" : detail::random_nonce();
+        send(connection, Writer(0).str(connection.nonce).finish());
+        return;
+      case Op::Prove: {
+        auto proof = request.str();
+        connection.proven = options.secret.empty() ||
+            (!connection.nonce.empty() &&
+             detail::proven(options.secret, "store|" + connection.nonce, proof));
+        connection.nonce.clear(); // one proof per challenge
+        if (!connection.proven) {
+          refused_unproven("a proof");
+        }
+        send(connection, answer(connection.proven ? Status::Ok : Status::Unproven));
+        return;
+      }
       case Op::Set: {
         auto key = request.str();
         put(key, request.str());

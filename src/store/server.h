@@ -22,6 +22,8 @@
 #include <mutex>
 #include <thread>
 
+#include <string>
+
 #include "store/endpoint.h"
 
 namespace lockstep::store {
@@ -31,6 +33,12 @@ struct ServerOptions {
   Endpoint endpoint;
   /// Holds every answer this long: a slow store, for measurements.
   std::chrono::milliseconds added_latency{0};
+  /// The job's secret, or "": where set, a connection must prove that it
+  /// holds it (Op::Challenge, Op::Prove) before any operation but a ping,
+  /// and every other is answered Status::Unproven (and logged): a process
+  /// that reaches the store without the secret can neither read, write,
+  /// delete, nor say hello, beat, report or goodbye.
+  std::string secret;
 };
 
 /// What a server holds, for measurements and the soak (Op::Stats).

@@ -38,6 +38,10 @@ enum class Op : uint8_t {
   Note = 17,      // a line every watcher receives (an epoch given up)
   Stats = 18,     // what the store holds (ServerStats)
   GetPrefix = 19, // every key under a prefix, with its value
+  // Where the store has the job's secret, a connection proves it holds it
+  // before any other operation but a ping.
+  Challenge = 20, // a nonce of this connection's
+  Prove = 21,     // prove(secret, "store|" + nonce)
 };
 
 enum class Status : uint8_t {
@@ -45,6 +49,7 @@ enum class Status : uint8_t {
   Missing = 1,
   Timeout = 2,
   Refused = 3,
+  Unproven = 4, // the connection has not proven that it holds the job's secret
   Invalid = 255,
 };
 

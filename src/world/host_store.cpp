@@ -91,7 +91,7 @@ class HostJobStore : public JobStore {
       LOCKSTEP_ENFORCE(error.empty(), RendezvousError, "rank 0 cannot create the job's store: ",
                        error, ".");
       try {
-        server_ = std::make_unique<store::StoreServer>(store::ServerOptions{endpoint, {}});
+        server_ = std::make_unique<store::StoreServer>(store::ServerOptions{endpoint, {}, config.secret});
       } catch (const std::exception& e) {
         LOCKSTEP_FAIL(RendezvousError, "rank 0 cannot host the job's store at ",
                       endpoint.describe(), ": ", e.what(), ".");

@@ -51,6 +51,24 @@ void expect_resolvable(const WorldConfig& config) {
       "(seconds).\n  cause: ", cause);
 }
 
+// How the refusals name the job whose store a rank reached.
+std::string job_named(const WorldConfig& config, const std::string& where, bool one_host) {
+  return one_host ? str("the job on this host at MASTER_PORT=", config.master_port)
+                  : str("the job at ", where);
+}
+
+// A rank whose secret is not the job's: it has none, or another.
+[[noreturn]] void refuse_secret(const WorldConfig& config, const std::string& the_job) {
+  if (config.secret.empty()) {
+    LOCKSTEP_FAIL(RendezvousError, "rank ", config.rank, " was refused: ", the_job, " requires "
+                  "a job secret, and this rank has none. Start every rank with the same "
+                  "LOCKSTEP_JOB_SECRET (or WorldOptions::secret).");
+  }
+  LOCKSTEP_FAIL(RendezvousError, "rank ", config.rank, " was refused: ", the_job, " holds "
+                "another job secret than this rank's. Start every rank with the same "
+                "LOCKSTEP_JOB_SECRET.");
+}
+
 // The first rank to record itself (rank 0, or a restarted one that finds
 // the record) records which job owns the store and, with a secret, a nonce
 // and its proof of the secret; every other rank checks that record before
@@ -60,6 +78,9 @@ void expect_resolvable(const WorldConfig& config) {
 // to. `one_host` words the refusal for a job on this host.
 std::string claim_or_check(store::StoreClient& client, const WorldConfig& config,
                            const std::string& where, bool one_host) {
+  // (A store that has the secret refuses a rank without it, or with
+  // another, on connecting: see attach(). One started without it, by a
+  // launcher that was not given it, leaves the check to this record.)
   std::string nonce = random_nonce();
   std::string proof = config.secret.empty()
       ? "-"
@@ -78,8 +99,7 @@ std::string claim_or_check(store::StoreClient& client, const WorldConfig& config
   std::istringstream fields(record);
   std::string job, their_nonce, their_proof;
   fields >> job >> their_nonce >> their_proof;
-  std::string the_job = one_host ? str("the job on this host at MASTER_PORT=", config.master_port)
-                                 : str("the job at ", where);
+  auto the_job = job_named(config, where, one_host);
   if (job != config.job_id) {
     if (one_host) {
       LOCKSTEP_FAIL(RendezvousError, "rank ", config.rank, " was refused: ", the_job, " is '",
@@ -92,19 +112,17 @@ std::string claim_or_check(store::StoreClient& client, const WorldConfig& config
                   "' (LOCKSTEP_JOB_ID). Two jobs were given the same MASTER_ADDR and "
                   "MASTER_PORT: give each its own port. The other job goes on.");
   }
-  LOCKSTEP_ENFORCE(
-      !config.secret.empty() || their_proof == "-", RendezvousError, "rank ", config.rank,
-      " was refused: ", the_job, " requires a job secret, and this rank has none. Start "
-      "every rank with the same LOCKSTEP_JOB_SECRET (or WorldOptions::secret).");
+  if (config.secret.empty() && their_proof != "-") {
+    refuse_secret(config, the_job);
+  }
   LOCKSTEP_ENFORCE(
       config.secret.empty() || their_proof != "-", RendezvousError, "rank ", config.rank,
       " was refused: ", the_job, " has no job secret, and this rank has one. Start every "
       "rank with the same LOCKSTEP_JOB_SECRET, or none.");
-  LOCKSTEP_ENFORCE(
-      config.secret.empty() ||
-          proven(config.secret, "job|" + job + "|" + their_nonce, their_proof),
-      RendezvousError, "rank ", config.rank, " was refused: ", the_job, " holds another "
-      "job secret than this rank's. Start every rank with the same LOCKSTEP_JOB_SECRET.");
+  if (!config.secret.empty() && their_proof != "-" &&
+      !proven(config.secret, "job|" + job + "|" + their_nonce, their_proof)) {
+    refuse_secret(config, the_job);
+  }
   return their_nonce;
 }
 
@@ -129,7 +147,8 @@ std::string through_agent(const WorldConfig& config, std::unique_ptr<store::Stor
         c10::make_intrusive<c10d::TCPStore>(config.master_addr, agent_options(config)));
     if (config.rank == 0 && !config.standby) {
       auto endpoint = store::Endpoint::tcp("", 0);
-      server = std::make_unique<store::StoreServer>(store::ServerOptions{endpoint, {}});
+      server = std::make_unique<store::StoreServer>(
+          store::ServerOptions{endpoint, {}, config.secret});
       server->start();
       auto address = local_address_towards(config.master_addr);
       store_set(*agent, "store", "tcp:" + address + ":" +
@@ -162,7 +181,8 @@ class TcpJobStore : public JobStore {
         // connect from wherever they are.
         try {
           server_ = std::make_unique<store::StoreServer>(
-              store::ServerOptions{store::Endpoint::tcp("", config.master_port), {}});
+              store::ServerOptions{store::Endpoint::tcp("", config.master_port), {},
+                                   config.secret});
         } catch (const std::exception& e) {
           std::string cause = e.what();
           if (cause.find("in use") != std::string::npos) {
@@ -210,7 +230,8 @@ class LocalJobStore : public JobStore {
 
 JobStore::~JobStore() = default;
 
-void JobStore::attach(const WorldConfig& config, const store::Endpoint& endpoint) {
+void JobStore::attach(const WorldConfig& config, store::Endpoint endpoint) {
+  endpoint.secret = config.secret; // proven on connecting, where the store has one
   bool one_host = endpoint.kind == store::Endpoint::Kind::Unix;
   std::string where = one_host ? endpoint.describe() : master_endpoint(config);
   if (!config.store_endpoint.empty() || config.agent_store) {
@@ -219,6 +240,8 @@ void JobStore::attach(const WorldConfig& config, const store::Endpoint& endpoint
   c10::intrusive_ptr<C10dStore> base;
   try {
     base = c10::make_intrusive<C10dStore>(endpoint, config.timeout);
+  } catch (const store::UnprovenError&) {
+    refuse_secret(config, job_named(config, where, one_host));
   } catch (const std::exception& e) {
     fail_unreachable(config, where, e.what());
   }
@@ -227,6 +250,8 @@ void JobStore::attach(const WorldConfig& config, const store::Endpoint& endpoint
     nonce_ = claim_or_check(base->client(), config, where, one_host);
   } catch (const Error&) {
     throw;
+  } catch (const store::UnprovenError&) {
+    refuse_secret(config, job_named(config, where, one_host));
   } catch (const std::exception& e) {
     LOCKSTEP_FAIL(RendezvousError, "rank ", config.rank, " reached ", where, " but it does "
                   "not answer as a lockstep job store. Is MASTER_PORT the port of rank 0's "

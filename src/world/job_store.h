@@ -81,7 +81,7 @@ class JobStore {
   /// Connects to the store at `endpoint`, checks that it is a job store,
   /// and records or checks the job it belongs to (its id and, with a
   /// secret, its proof); sets store_ and nonce_.
-  void attach(const WorldConfig& config, const store::Endpoint& endpoint);
+  void attach(const WorldConfig& config, store::Endpoint endpoint);
 
   c10::intrusive_ptr<c10d::Store> store_;
   std::string nonce_;

@@ -25,7 +25,9 @@
 // count is registered with FaultTolerance::register_state, so that a rank
 // that rejoins continues the schedule (unless
 // LOCKSTEP_TEST_UNREGISTERED_SCHEDULE=1). LOCKSTEP_TEST_STEP_TIMEOUT_MS sets
-// FaultToleranceOptions::step_timeout.
+// FaultToleranceOptions::step_timeout; LOCKSTEP_TEST_STATE_PIECE_BYTES its
+// state_piece_bytes. At the end each rank prints the bytes of live state
+// it sent and received.
 
 #include <algorithm>
 #include <unistd.h>
@@ -95,6 +97,7 @@ int train(int argc, char** argv) {
       model, world, lockstep::DdpOptions().bucket_cap_mb(0.001).first_bucket_cap_mb(0.001));
   torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   const char* step_timeout = std::getenv("LOCKSTEP_TEST_STEP_TIMEOUT_MS");
+  const char* piece_bytes = std::getenv("LOCKSTEP_TEST_STATE_PIECE_BYTES");
   lockstep::FaultTolerance ft(
       ddp, optimizer,
       lockstep::FaultToleranceOptions()
@@ -102,7 +105,9 @@ int train(int argc, char** argv) {
           .step_timeout(std::chrono::milliseconds(step_timeout ? std::atoll(step_timeout)
                                                                : 300000))
           .min_world_size(min_world_size)
-          .timeout(timeout));
+          .timeout(timeout)
+          .state_piece_bytes(piece_bytes ? std::strtoull(piece_bytes, nullptr, 10)
+                                         : size_t{64} << 20));
   // The schedule moves with the model to a rank that rejoins: its step
   // count is saved, and replayed on a fresh StepLR where it is loaded.
   auto scheduler = std::make_unique<torch::optim::StepLR>(optimizer, 50, 0.5);
@@ -239,6 +244,10 @@ int train(int argc, char** argv) {
               replica, static_cast<long long>(ft.step()),
               static_cast<long long>(stats.aborted_steps),
               static_cast<long long>(stats.worlds_formed), scaler.get_scale());
+  std::printf("elastic_float64: rank %d incarnation %d: live state sent %lld bytes, received "
+              "%lld bytes\n",
+              replica, incarnation, static_cast<long long>(stats.state_bytes_sent),
+              static_cast<long long>(stats.state_bytes_received));
   return 0;
 }
 

@@ -67,7 +67,7 @@ LauncherStore::LauncherStore(const RunOptions& options, int port)
       }
       listen = endpoint = store::Endpoint::unix_socket(store::socket_path(folder_));
     }
-    server_ = std::make_unique<store::StoreServer>(store::ServerOptions{listen, {}});
+    server_ = std::make_unique<store::StoreServer>(store::ServerOptions{listen, {}, secret_});
     server_->start();
   }
   endpoint_ = endpoint.to_string();
@@ -101,7 +101,7 @@ LauncherStore::~LauncherStore() {
 }
 
 void LauncherStore::watch() {
-  auto endpoint = store::Endpoint::parse(endpoint_);
+  auto endpoint = store_endpoint();
   int first = options_.node_rank * options_.nproc_per_node;
   uint64_t since = 0;
   store::StoreClient* watcher = nullptr;
@@ -177,6 +177,29 @@ bool LauncherStore::proven(const std::string& claim, const std::string& proof) {
   return detail::proven(secret_, detail::fault_tolerance_claim(job_id_, claim, nonce()), proof);
 }
 
+std::map<int, int> LauncherStore::known_incarnations() {
+  std::map<int, int> known;
+  try {
+    store::StoreClient client(store_endpoint(), kConnectTry);
+    client.set_timeout(kStoreTimeout);
+    for (const auto& slot : client.watch(0, 0, std::chrono::milliseconds(0), {}).slots) {
+      known[slot.slot] = slot.incarnation;
+    }
+  } catch (const store::UnprovenError& e) {
+    throw std::runtime_error(std::string(e.what()) + ": give every launcher and rank of the "
+                             "job the same LOCKSTEP_JOB_SECRET");
+  } catch (const std::exception&) {
+    // No store yet (node 0 starts it): the job is starting.
+  }
+  return known;
+}
+
+store::Endpoint LauncherStore::store_endpoint() const {
+  auto endpoint = store::Endpoint::parse(endpoint_);
+  endpoint.secret = secret_; // proven on connecting
+  return endpoint;
+}
+
 void LauncherStore::begin_attempt(int attempt) {
   if (options_.node_rank != 0 || attempt == 0) {
     return;
@@ -184,7 +207,7 @@ void LauncherStore::begin_attempt(int attempt) {
   std::lock_guard<std::mutex> lock(client_mutex_);
   try {
     if (!client_) {
-      client_ = std::make_unique<store::StoreClient>(store::Endpoint::parse(endpoint_),
+      client_ = std::make_unique<store::StoreClient>(store_endpoint(),
                                                      kStoreTimeout);
     }
     client_->erase_prefix(prefix(attempt - 1) + "/");
@@ -206,7 +229,7 @@ void LauncherStore::job_finished(int attempt) {
   std::lock_guard<std::mutex> lock(client_mutex_);
   try {
     if (!client_) {
-      client_ = std::make_unique<store::StoreClient>(store::Endpoint::parse(endpoint_),
+      client_ = std::make_unique<store::StoreClient>(store_endpoint(),
                                                      kStoreTimeout);
     }
     client_->set(prefix(attempt) + "/ft/finished",
@@ -220,7 +243,7 @@ std::optional<std::string> LauncherStore::left(int attempt, int slot, int incarn
   std::lock_guard<std::mutex> lock(client_mutex_);
   try {
     if (!client_) {
-      client_ = std::make_unique<store::StoreClient>(store::Endpoint::parse(endpoint_),
+      client_ = std::make_unique<store::StoreClient>(store_endpoint(),
                                                      kStoreTimeout);
     }
     std::string where = "left/" + std::to_string(slot) + "/" + std::to_string(incarnation);

@@ -9,6 +9,7 @@
 // tells a rank restarted too late (one that found the loop ended) from a
 // crash.
 
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "options.h"
+#include "store/endpoint.h"
 
 namespace lockstep::store {
 class StoreServer;
@@ -50,6 +52,11 @@ class LauncherStore {
     return wake_[0];
   }
   std::vector<Hung> take_hung();
+  /// The newest incarnation of each slot that the job's store has seen say
+  /// hello (empty where the store does not answer at once: a job that is
+  /// starting). A launcher that finds its node's slots there replaces a
+  /// node the job lost, and starts its ranks as their next incarnations.
+  std::map<int, int> known_incarnations();
   /// Forgets what an earlier attempt left in the store (node 0).
   void begin_attempt(int attempt);
   /// A rank exited with 0: the loop of the job's attempt ended.
@@ -60,6 +67,8 @@ class LauncherStore {
   std::optional<std::string> left(int attempt, int slot, int incarnation);
 
  private:
+  /// Where the store is, with the job's secret to prove on connecting.
+  store::Endpoint store_endpoint() const;
   void watch();
   std::string prefix(int attempt) const;
   // Proves a claim as the ranks do (WorldAccess::prove), with the nonce of

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <deque>
+#include <map>
 
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -292,9 +293,24 @@ AttemptResult run_attempt(const RunOptions& options, int attempt, int port,
         " ranks on this machine gets OMP_NUM_THREADS=1, so that they do not fight over the "
         "cores (as torchrun does); set it to choose another number");
   }
+  // Incarnations live with the job, not the launcher: one that finds its
+  // node's ranks in the job's store replaces a node the job lost, and its
+  // ranks rejoin as their next incarnations (a first incarnation would
+  // wait for a rendezvous the others are long past).
+  std::map<int, int> known;
+  if (options.restart_rank && attempt == 0) {
+    known = store.known_incarnations();
+  }
   std::vector<Rank> ranks(options.nproc_per_node);
   for (int local = 0; local < options.nproc_per_node; ++local) {
     ranks[local].global = options.node_rank * options.nproc_per_node + local;
+    if (auto found = known.find(ranks[local].global); found != known.end()) {
+      ranks[local].incarnation = found->second + 1;
+      say("rank " + std::to_string(ranks[local].global) + " is known to the job's store (as "
+          "incarnation " + std::to_string(found->second) + "): this launcher replaces its "
+          "node, and starts it as incarnation " + std::to_string(ranks[local].incarnation) +
+          ", which rejoins the job");
+    }
     ranks[local].hidden = !options.shown_ranks.empty() &&
         std::find(options.shown_ranks.begin(), options.shown_ranks.end(),
                   ranks[local].global) == options.shown_ranks.end();
