@@ -495,6 +495,7 @@ void Reducer::State::rebuild_buckets() {
   world.broadcast(order, 0);
   std::vector<size_t> agreed(order.data_ptr<int64_t>(),
                              order.data_ptr<int64_t>() + params.size());
+  layout.learned = agreed;
   if (automatic_cap) {
     options.bucket_cap_mb(static_cast<double>(order.data_ptr<int64_t>()[params.size()]) /
                           (1 << 20));

@@ -90,6 +90,9 @@ struct Reducer::State : std::enable_shared_from_this<State> {
     std::vector<size_t> bucket_of; // per parameter
     std::vector<size_t> slot_of;   // per parameter, in its bucket
     bool rebuilt = false;          // in the order of the first backward
+    // That order, agreed among the ranks, once learned: a new world (fault
+    // tolerance's) lays its buckets out in it at once.
+    std::vector<size_t> learned;
   };
   Layout layout;
 
@@ -278,6 +281,10 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   /// (a module loaded with torch::load).
   void rehook_replaced_accumulators();
   void layout_buckets(const std::vector<size_t>& order);
+  /// In a world just adopted: the order of the first backward, from a rank
+  /// that learned it (a restarted rank has not), laid out on every rank;
+  /// false (nothing laid out) where no rank knows it. Collective.
+  bool adopt_learned_order();
   /// The parameters of `order` that go in buckets (the dense ones).
   std::vector<size_t> dense_only(const std::vector<size_t>& order) const;
   /// Marks the parameters of sparse embeddings.

@@ -52,11 +52,13 @@ void Reducer::adopt_world(World world) {
   auto& state = *state_;
   std::lock_guard<std::mutex> lock(state.mutex);
   TORCH_INTERNAL_ASSERT(!state.backward.open, "a world is adopted between iterations");
-  // The old buckets live in the old world's memory: they go first, with
-  // the gradients that are views into them (the step they belonged to is
-  // over: committed and stepped, or dropped), so that a change of world
-  // never holds the gradients twice (once more the model's size, on every
-  // rank) while the old world is let go of.
+  // The old buckets live in the old world's memory: they go first, so
+  // that a change of world never holds them twice (once more the model's
+  // size, on every rank) while the old world is let go of. The gradients
+  // that were views into them (of a step that is over: committed and
+  // stepped, or dropped) become views into the new ones, zeroed: the next
+  // backward accumulates into them in place, as in any step.
+  std::vector<char> had_view(state.params.size(), 0);
   {
     at::NoGradGuard no_grad;
     for (size_t index = 0; index < state.layout.bucket_of.size() && !state.layout.buckets.empty();
@@ -65,6 +67,7 @@ void Reducer::adopt_world(World world) {
       if (!state.sparse[index] &&
           state.layout.buckets[state.layout.bucket_of[index]].holds(state.layout.slot_of[index],
                                                                     grad)) {
+        had_view[index] = 1;
         grad = at::Tensor();
       }
     }
@@ -76,11 +79,55 @@ void Reducer::adopt_world(World world) {
   state.active_ranks = state.world.size();
   state.buffer_root = 0;
   state.failure.clear();
-  // Buckets live in the world's memory (the shared segment of its ranks);
-  // laid out as at construction, they follow the first iteration's order
-  // again, the same on every rank.
-  state.layout.rebuilt = false;
-  state.layout_buckets(state.dense_only(state.reverse_registration_order()));
+  // Buckets live in the world's memory (the shared segment of its ranks).
+  // In the order an earlier world's first backward taught, where a rank
+  // knows it: laid out once, not again after the first backward here,
+  // which would hold the gradients twice for a moment. Otherwise as at
+  // construction, to follow this world's first backward, the same on
+  // every rank.
+  if (!state.adopt_learned_order()) {
+    state.layout.rebuilt = false;
+    state.layout_buckets(state.dense_only(state.reverse_registration_order()));
+  }
+  at::NoGradGuard no_grad;
+  for (size_t index = 0; index < had_view.size(); ++index) {
+    if (had_view[index]) {
+      auto slot = state.layout.buckets[state.layout.bucket_of[index]].slot(
+          state.layout.slot_of[index]);
+      slot.zero_();
+      state.params[index].mutable_grad() = slot;
+    }
+  }
+}
+
+bool Reducer::State::adopt_learned_order() {
+  if (options.shard_gradients()) {
+    return false;
+  }
+  auto knows = at::full({1}, layout.learned.empty() ? int64_t{-1} : world.rank(), at::kLong);
+  world.all_reduce(knows, ReduceOp::Max);
+  auto source = knows.item<int64_t>();
+  if (source < 0) {
+    return false;
+  }
+  // As rebuild_buckets() sends it: the order, then the bucket cap in bytes.
+  auto order = at::empty({static_cast<int64_t>(params.size()) + 1}, at::kLong);
+  auto* data = order.data_ptr<int64_t>();
+  if (world.rank() == source) {
+    for (size_t k = 0; k < params.size(); ++k) {
+      data[k] = static_cast<int64_t>(layout.learned[k]);
+    }
+    data[params.size()] = static_cast<int64_t>(*options.bucket_cap_mb() * (1 << 20));
+  }
+  world.broadcast(order, static_cast<int>(source));
+  layout.learned.assign(data, data + params.size());
+  if (automatic_cap) {
+    options.bucket_cap_mb(static_cast<double>(data[params.size()]) / (1 << 20));
+  }
+  layout.rebuilt = true;
+  stats.buckets_rebuilt = true;
+  layout_buckets(dense_only(layout.learned));
+  return true;
 }
 
 std::vector<at::Tensor> Reducer::replica_tensors(bool buffers_only) const {
