@@ -55,18 +55,23 @@ void Reducer::adopt_world(World world) {
   // The old buckets live in the old world's memory: they go first, so
   // that a change of world never holds them twice (once more the model's
   // size, on every rank) while the old world is let go of. The gradients
-  // that were views into them (of a step that is over: committed and
-  // stepped, or dropped) become views into the new ones, zeroed: the next
-  // backward accumulates into them in place, as in any step.
+  // of the step that is over (committed and stepped, or dropped) become
+  // views into the new buckets, zeroed: the views into the old ones, and
+  // those a dropped backward left apart from them (autograd's own, which
+  // would otherwise live on beside the new buckets until the next
+  // backward replaced them). The next backward accumulates into them in
+  // place, as in any step.
   std::vector<char> had_view(state.params.size(), 0);
   {
     at::NoGradGuard no_grad;
     for (size_t index = 0; index < state.layout.bucket_of.size() && !state.layout.buckets.empty();
          ++index) {
       auto& grad = state.params[index].mutable_grad();
-      if (!state.sparse[index] &&
-          state.layout.buckets[state.layout.bucket_of[index]].holds(state.layout.slot_of[index],
-                                                                    grad)) {
+      bool as_view = state.options.gradient_as_bucket_view() &&
+          state.params[index].is_contiguous();
+      if (!state.sparse[index] && grad.defined() &&
+          (as_view || state.layout.buckets[state.layout.bucket_of[index]].holds(
+                          state.layout.slot_of[index], grad))) {
         had_view[index] = 1;
         grad = at::Tensor();
       }
@@ -90,10 +95,11 @@ void Reducer::adopt_world(World world) {
     state.layout_buckets(state.dense_only(state.reverse_registration_order()));
   }
   at::NoGradGuard no_grad;
-  for (size_t index = 0; index < had_view.size(); ++index) {
-    if (had_view[index]) {
-      auto slot = state.layout.buckets[state.layout.bucket_of[index]].slot(
-          state.layout.slot_of[index]);
+  for (size_t index = 0; index < had_view.size() && !state.layout.buckets.empty(); ++index) {
+    auto& bucket = state.layout.buckets[state.layout.bucket_of[index]];
+    auto k = state.layout.slot_of[index];
+    if (had_view[index] && k < bucket.members().size() && bucket.members()[k] == index) {
+      auto slot = bucket.slot(k);
       slot.zero_();
       state.params[index].mutable_grad() = slot;
     }
