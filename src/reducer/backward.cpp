@@ -426,10 +426,18 @@ void Reducer::State::write_back_bucket(size_t b, const double* flags) {
     bucket.gradients().div_(gradient_divisor()); // a hook returns the average
   }
   for (size_t k = 0; k < bucket.members().size(); ++k) {
+    size_t index = bucket.members()[k];
+    bool zeroed = index < layout.zeroed_by_world_change.size() &&
+        layout.zeroed_by_world_change[index];
+    if (zeroed) {
+      layout.zeroed_by_world_change[index] = 0;
+    }
     if (flags[k] == 0) {
+      if (zeroed) {
+        params[index].mutable_grad() = at::Tensor(); // as on a rank that joined
+      }
       continue; // used by no rank: its gradient stays as it was
     }
-    size_t index = bucket.members()[k];
     auto& grad = params[index].mutable_grad();
     auto slot = bucket.slot(k);
     bool as_view = options.gradient_as_bucket_view() &&

@@ -94,6 +94,7 @@ void Reducer::State::take_in_unfrozen() {
     order.push_back(index);
   }
   layout_buckets(order);
+  layout.learned.clear(); // it covers them not: a new world learns again
   static_used.reset(); // a static graph is learned again, with them
   log_layout(str("after taking in ", mine, ", which began to require grad"));
 }

@@ -91,8 +91,14 @@ struct Reducer::State : std::enable_shared_from_this<State> {
     std::vector<size_t> slot_of;   // per parameter, in its bucket
     bool rebuilt = false;          // in the order of the first backward
     // That order, agreed among the ranks, once learned: a new world (fault
-    // tolerance's) lays its buckets out in it at once.
+    // tolerance's) lays its buckets out in it at once. Cleared when a
+    // parameter is taken in late (the order no longer covers it).
     std::vector<size_t> learned;
+    // Per parameter: its gradient is a zeroed view that a change of world
+    // made, not yet written by a backward. One that no rank uses in the
+    // next backward then has none, as on a rank that joined (which has no
+    // gradients): the replicas' optimizers step the same parameters.
+    std::vector<char> zeroed_by_world_change;
   };
   Layout layout;
 

@@ -95,6 +95,7 @@ void Reducer::adopt_world(World world) {
     state.layout_buckets(state.dense_only(state.reverse_registration_order()));
   }
   at::NoGradGuard no_grad;
+  state.layout.zeroed_by_world_change.assign(state.params.size(), 0);
   for (size_t index = 0; index < had_view.size() && !state.layout.buckets.empty(); ++index) {
     auto& bucket = state.layout.buckets[state.layout.bucket_of[index]];
     auto k = state.layout.slot_of[index];
@@ -102,6 +103,7 @@ void Reducer::adopt_world(World world) {
       auto slot = bucket.slot(k);
       slot.zero_();
       state.params[index].mutable_grad() = slot;
+      state.layout.zeroed_by_world_change[index] = 1;
     }
   }
 }
@@ -110,7 +112,8 @@ bool Reducer::State::adopt_learned_order() {
   if (options.shard_gradients()) {
     return false;
   }
-  auto knows = at::full({1}, layout.learned.empty() ? int64_t{-1} : world.rank(), at::kLong);
+  bool learned = layout.learned.size() == params.size();
+  auto knows = at::full({1}, learned ? int64_t{world.rank()} : int64_t{-1}, at::kLong);
   world.all_reduce(knows, ReduceOp::Max);
   auto source = knows.item<int64_t>();
   if (source < 0) {
