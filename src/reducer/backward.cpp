@@ -500,18 +500,24 @@ void Reducer::State::rebuild_buckets() {
       }
     }
   }
-  world.broadcast(order, 0);
-  std::vector<size_t> agreed(order.data_ptr<int64_t>(),
-                             order.data_ptr<int64_t>() + params.size());
-  layout.learned = agreed;
+  lay_out_agreed_order(order, 0);
   if (automatic_cap) {
-    options.bucket_cap_mb(static_cast<double>(order.data_ptr<int64_t>()[params.size()]) /
-                          (1 << 20));
     log(str("buckets of ", *options.bucket_cap_mb(), " MiB from now on: the link carries ",
             link_bytes_per_second / (1 << 20), " MiB/s (a 4 MiB all-reduce, timed when the "
             "wrapper was built)"));
   }
-  layout_buckets(dense_only(agreed));
+}
+
+void Reducer::State::lay_out_agreed_order(at::Tensor order, int source) {
+  world.broadcast(order, source);
+  const auto* data = order.data_ptr<int64_t>();
+  layout.learned.assign(data, data + params.size());
+  if (automatic_cap) {
+    options.bucket_cap_mb(static_cast<double>(data[params.size()]) / (1 << 20));
+  }
+  layout.rebuilt = true;
+  stats.buckets_rebuilt = true;
+  layout_buckets(dense_only(layout.learned));
 }
 
 } // namespace lockstep::detail

@@ -291,6 +291,10 @@ struct Reducer::State : std::enable_shared_from_this<State> {
   /// that learned it (a restarted rank has not), laid out on every rank;
   /// false (nothing laid out) where no rank knows it. Collective.
   bool adopt_learned_order();
+  /// `order` (filled on `source`: the parameters' order, then the bucket
+  /// cap in bytes) from `source` to every rank, which lays its buckets out
+  /// in it: the same layout on every rank. Collective.
+  void lay_out_agreed_order(at::Tensor order, int source);
   /// The parameters of `order` that go in buckets (the dense ones).
   std::vector<size_t> dense_only(const std::vector<size_t>& order) const;
   /// Marks the parameters of sparse embeddings.

@@ -121,21 +121,14 @@ bool Reducer::State::adopt_learned_order() {
   }
   // As rebuild_buckets() sends it: the order, then the bucket cap in bytes.
   auto order = at::empty({static_cast<int64_t>(params.size()) + 1}, at::kLong);
-  auto* data = order.data_ptr<int64_t>();
   if (world.rank() == source) {
+    auto* data = order.data_ptr<int64_t>();
     for (size_t k = 0; k < params.size(); ++k) {
       data[k] = static_cast<int64_t>(layout.learned[k]);
     }
     data[params.size()] = static_cast<int64_t>(*options.bucket_cap_mb() * (1 << 20));
   }
-  world.broadcast(order, static_cast<int>(source));
-  layout.learned.assign(data, data + params.size());
-  if (automatic_cap) {
-    options.bucket_cap_mb(static_cast<double>(data[params.size()]) / (1 << 20));
-  }
-  layout.rebuilt = true;
-  stats.buckets_rebuilt = true;
-  layout_buckets(dense_only(layout.learned));
+  lay_out_agreed_order(order, static_cast<int>(source));
   return true;
 }
 
