@@ -271,6 +271,37 @@ TEST_F(AgreementOverAStore, TheLiveStateOutlivesTheDeathOfAnyMemberOnceItsWorldF
   }
 }
 
+TEST_F(AgreementOverAStore, ACutBetweenHostsLeavesTheSideWithoutTheLowerRanksOut) {
+  // Ranks 0, 1 on one host and 2, 3 on another; the world of all four did
+  // not form, and each side came back saying whom it could not reach. All
+  // four beat (the store is in reach): none is failed.
+  auto sims = in_epoch_zero(4);
+  for (auto* sim : sims) {
+    sim->me.cut_off = sim->me.replica < 2 ? std::vector<int>{2, 3} : std::vector<int>{0, 1};
+  }
+  auto decided = next_epoch(sims);
+  for (const auto& epoch : decided) {
+    ASSERT_TRUE(epoch.has_value());
+    EXPECT_EQ(epoch->first, 1);
+    ASSERT_EQ(epoch->second.size(), 2u);
+    EXPECT_EQ(epoch->second[0].replica, 0);
+    EXPECT_EQ(epoch->second[1].replica, 1);
+  }
+}
+
+TEST_F(AgreementOverAStore, ACutLeavesTheSmallerSideOutThoughItHoldsTheLowestRank) {
+  // Rank 0 alone on one host, ranks 1-3 on another; all hold the state.
+  auto sims = in_epoch_zero(4);
+  for (auto* sim : sims) {
+    sim->me.cut_off = sim->me.replica == 0 ? std::vector<int>{1, 2, 3} : std::vector<int>{0};
+  }
+  for (const auto& epoch : next_epoch(sims)) {
+    ASSERT_TRUE(epoch.has_value());
+    ASSERT_EQ(epoch->second.size(), 3u);
+    EXPECT_EQ(epoch->second[0].replica, 1);
+  }
+}
+
 TEST_F(AgreementOverAStore, AStaleRankIsNeverTakenForTheLiveState) {
   auto sims = in_epoch_zero(3);
   auto& rank0 = *sims[0];

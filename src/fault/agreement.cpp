@@ -4,10 +4,12 @@
 #include <iterator>
 #include <map>
 #include <set>
+#include <tuple>
 
 #include <lockstep/error.h>
 
 #include "common/wording.h"
+#include "fault/reachability.h"
 #include "fault/store_guarded.h"
 #include "world/liveness.h"
 
@@ -179,13 +181,37 @@ std::optional<std::pair<int64_t, std::vector<Member>>> Agreement::next_epoch(
     // A member that received (or sent) the state a world began from holds
     // it, whether or not that world was marked formed before it failed;
     // over replica groups, at every place of a group (each holds a part).
-    bool state_lives = !candidates.empty();
-    for (int place = 0; place < options_.group_size; ++place) {
-      state_lives = state_lives &&
-          std::any_of(candidates.begin(), candidates.end(), [&](const Member& c) {
-            return c.replica % options_.group_size == place && c.step >= 0 &&
-                c.trained >= lineage;
-          });
+    auto state_lives_in = [&](const std::vector<Member>& among) {
+      bool lives = !among.empty();
+      for (int place = 0; place < options_.group_size; ++place) {
+        lives = lives && std::any_of(among.begin(), among.end(), [&](const Member& c) {
+          return c.replica % options_.group_size == place && c.step >= 0 &&
+              c.trained >= lineage;
+        });
+      }
+      return lives;
+    };
+    bool state_lives = state_lives_in(candidates);
+    // Where a cut between hosts kept the last world from forming, one side
+    // of it (reachability.h): the one that holds the live state, is large
+    // enough, is furthest on (a step that only it committed is not lost),
+    // is largest, holds the lowest rank. The others, come but cut off,
+    // wait until they reach it.
+    std::vector<Member> reachable;
+    auto score = [&](const std::vector<Member>& side) {
+      int64_t furthest = -1;
+      for (const auto& m : side) {
+        furthest = std::max(furthest, m.step);
+      }
+      return std::make_tuple(state_lives_in(side),
+                             static_cast<int>(side.size()) >= options_.min_world_size, furthest,
+                             side.size());
+    };
+    for (const auto& side : reachable_sides(candidates)) {
+      auto whole = whole_groups(side, options_.group_size);
+      if (reachable.empty() || score(whole) > score(reachable)) { // ties: the lower ranks'
+        reachable = std::move(whole);
+      }
     }
     if (!state_lives && absent.empty() && !candidates.empty() && me.step < 0) {
       // The ranks that held the state may have ended their loop: each
@@ -205,9 +231,9 @@ std::optional<std::pair<int64_t, std::vector<Member>>> Agreement::next_epoch(
         me.replica, ": every rank that held the trained state has failed (the last world was ",
         describe(expected), "), and the ranks restarted since have none to receive. Resume "
         "the job from its last checkpoint (lockstep-run --restart all).");
-    if (deciding && absent.empty() && state_lives &&
-        static_cast<int>(candidates.size()) >= options_.min_world_size) {
-      auto after = membership_.decide(latest, candidates);
+    if (deciding && absent.empty() && state_lives_in(reachable) &&
+        static_cast<int>(reachable.size()) >= options_.min_world_size) {
+      auto after = membership_.decide(latest, reachable);
       return after.number == target ? decided(after.members) : std::nullopt;
     }
     if (Clock::now() >= deadline) {
@@ -220,6 +246,13 @@ std::optional<std::pair<int64_t, std::vector<Member>>> Agreement::next_epoch(
                        " rank(s) can train, fewer than min_world_size ",
                        options_.min_world_size, ", and no other came back within "
                        "FaultToleranceOptions::timeout (", seconds(options_.timeout), ").");
+      LOCKSTEP_ENFORCE(reachable.size() == candidates.size(), FaultToleranceError, "rank ",
+                       me.replica, ": no world formed within FaultToleranceOptions::timeout (",
+                       seconds(options_.timeout), "): a network cut split ",
+                       describe(candidates), ", which came for epoch ", target, ", and no "
+                       "side of it can train (the best, ", describe(reachable), ", holds no "
+                       "live state or fewer than min_world_size ", options_.min_world_size,
+                       " ranks).");
       LOCKSTEP_FAIL(FaultToleranceError, "rank ", me.replica, ": no world formed within "
                     "FaultToleranceOptions::timeout (", seconds(options_.timeout), "): ",
                     describe(candidates), " came for epoch ", target, ", but the rank that "

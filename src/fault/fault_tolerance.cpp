@@ -113,6 +113,10 @@ FaultTolerance::FaultTolerance(std::shared_ptr<detail::Guarded> guarded,
     impl.members = {impl.me};
     return;
   }
+  if (WorldAccess::across_hosts(impl.base)) {
+    impl.probe = std::make_unique<detail::ProbeListener>(WorldAccess::local_address(impl.base));
+    impl.me.probe = impl.probe->endpoint();
+  }
   impl.liveness = WorldAccess::liveness(impl.base, options.heartbeat_timeout());
   auto signer = detail::signer_of(impl.base);
   const auto& prefix = WorldAccess::key_prefix(impl.base);

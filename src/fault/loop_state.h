@@ -19,6 +19,7 @@
 #include "fault/agreement.h"
 #include "fault/guarded.h"
 #include "fault/membership.h"
+#include "fault/reachability.h"
 #include "fault/scaler_registry.h"
 #include "world/liveness.h"
 
@@ -113,6 +114,9 @@ struct FaultTolerance::Impl {
   /// and this rank's group's world.
   int group_size = 1;
   std::optional<World> group;
+  /// Across hosts: what the other ranks connect to when a world did not
+  /// form, to tell a cut between hosts from a failure (reachability.h).
+  std::unique_ptr<detail::ProbeListener> probe;
 
   Impl(std::shared_ptr<detail::Guarded> guarded_in,
        torch::optim::Optimizer& optimizer_in,
@@ -167,6 +171,9 @@ struct FaultTolerance::Impl {
   std::string world_scope(int64_t epoch, int place) const;
   /// Raises FaultToleranceError where this rank's replica group lost a rank.
   void check_group() const;
+  /// Raises FaultToleranceError where this rank was restarted since (this
+  /// process is stale).
+  void check_not_replaced() const;
   /// Whether every rank of the replica group holds `holds` (true without
   /// groups: `holds` itself); `what` names it where the group lost a rank.
   bool agree_in_group(bool holds, const std::string& what);
@@ -196,5 +203,10 @@ struct FaultTolerance::Impl {
   /// The world that carries the live state now (none: nullopt), given up
   /// at once where the epoch already is.
   void set_transfer(std::optional<World> carrier);
+  /// Where this rank is not a member of the latest epoch (left out by a
+  /// cut, or restarted behind one), until it reaches every member of it:
+  /// asking sooner would have them re-form a world that cannot form.
+  /// Raises at `deadline`.
+  void await_link(Clock::time_point deadline);
 };
 } // namespace lockstep

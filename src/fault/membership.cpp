@@ -1,6 +1,7 @@
 #include "fault/membership.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <iostream>
 #include <sstream>
 
@@ -37,13 +38,28 @@ std::string members_text(const std::vector<Member>& members) {
 } // namespace
 
 std::string Member::to_record() const {
-  return str(replica, " ", incarnation, " ", step, " ", trained, " ", identity.to_record());
+  std::string cut;
+  for (int rank : cut_off) {
+    cut += str(cut.empty() ? "" : ",", rank);
+  }
+  return str(replica, " ", incarnation, " ", step, " ", trained, " ",
+             probe.empty() ? "-" : probe, " ", cut.empty() ? "-" : cut, " ",
+             identity.to_record());
 }
 
 Member Member::from_record(const std::string& record) {
   Member member;
   std::istringstream in(record);
-  in >> member.replica >> member.incarnation >> member.step >> member.trained >> std::ws;
+  std::string cut;
+  in >> member.replica >> member.incarnation >> member.step >> member.trained >> member.probe >>
+      cut >> std::ws;
+  if (member.probe == "-") {
+    member.probe.clear();
+  }
+  std::istringstream ranks(cut == "-" ? "" : cut);
+  for (std::string rank; std::getline(ranks, rank, ',');) {
+    member.cut_off.push_back(std::atoi(rank.c_str()));
+  }
   std::string rest;
   std::getline(in, rest);
   member.identity = ProcessIdentity::from_record(rest);

@@ -62,6 +62,13 @@ struct Member {
   /// The last epoch it trained in (-1: none): the state of the latest one
   /// (the lineage) is the live state.
   int64_t trained = -1;
+  /// Where the others check that they reach it ("address:port" of its
+  /// ProbeListener; empty on one host, where no cut falls between ranks).
+  std::string probe;
+  /// The launcher ranks it could not reach when it came (after a world
+  /// that did not form): the decider leaves one side of each such pair out
+  /// (reachability.h).
+  std::vector<int> cut_off;
   ProcessIdentity identity;
 
   std::string to_record() const;

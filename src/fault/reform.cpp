@@ -34,6 +34,21 @@ bool same_process(const Member& a, const Member& b) {
   return a.replica == b.replica && a.incarnation == b.incarnation;
 }
 
+// A connection that takes longer is taken for a cut.
+constexpr auto kProbeTimeout = std::chrono::seconds(2);
+// How often a rank left out by a cut looks whether it reaches the others.
+constexpr auto kProbeEvery = std::chrono::seconds(1);
+
+std::vector<Member> ranks_of(const std::vector<Member>& members, const std::vector<int>& replicas) {
+  std::vector<Member> found;
+  for (const auto& member : members) {
+    if (std::find(replicas.begin(), replicas.end(), member.replica) != replicas.end()) {
+      found.push_back(member);
+    }
+  }
+  return found;
+}
+
 } // namespace
 
 void FaultTolerance::Impl::reform() {
@@ -41,15 +56,10 @@ void FaultTolerance::Impl::reform() {
   auto deadline = start + options.timeout();
   while (true) {
     check_group();
-    if (auto newer = liveness->replaced_by()) {
-      LOCKSTEP_FAIL(FaultToleranceError, "rank ", me.replica, " (incarnation ", me.incarnation,
-                    ", pid ", me.identity.pid, ") is refused: its rank was restarted since, as "
-                    "incarnation ", *newer, ", which trains in its place. This process is "
-                    "stale (it was stopped or cut off for longer than the heartbeat timeout) "
-                    "and ends.");
-    }
+    check_not_replaced();
     me.step = holds_state ? committed : -1;
     progress(detail::Phase::Dropped);
+    await_link(deadline);
     auto next_epoch = agreement->next_epoch(me, deadline);
     if (!next_epoch ||
         std::none_of(next_epoch->second.begin(), next_epoch->second.end(),
@@ -57,6 +67,7 @@ void FaultTolerance::Impl::reform() {
       continue; // a world formed without this rank: the next one takes it in
     }
     auto [target, decided] = *next_epoch;
+    me.cut_off.clear(); // what it found before this attempt
     // Over replica groups, this rank's world is its place's.
     auto ranked = at_my_place(decided);
     // Whatever fails (lockstep's errors, Gloo's or c10d's while the world
@@ -108,6 +119,19 @@ void FaultTolerance::Impl::reform() {
     if (!failure.empty()) {
       auto why = detail::give_up(*membership, *liveness, target, failure);
       say(detail::str("the world of epoch ", target, " did not form: ", why));
+      if (probe) {
+        // A cut between hosts, with the store still in reach, fails every
+        // attempt with the same members: who cannot be reached (found while
+        // the world formed, or now) comes with this rank for the next
+        // epoch, which its decider leaves out.
+        if (me.cut_off.empty()) {
+          me.cut_off = detail::unreachable_members(decided, me, kProbeTimeout);
+        }
+        if (!me.cut_off.empty()) {
+          say(detail::str("cannot reach ", detail::describe(ranks_of(decided, me.cut_off)),
+                          " (no connection within ", detail::seconds(kProbeTimeout), ")"));
+        }
+      }
       guarded->take_failure();
       LOCKSTEP_ENFORCE(Clock::now() < deadline, FaultToleranceError, "rank ", me.replica,
                        ": no world formed within FaultToleranceOptions::timeout (",
@@ -168,6 +192,9 @@ World FaultTolerance::Impl::form(int64_t target, const std::vector<Member>& deci
       forming->formed.set_exception(std::current_exception());
     }
   }).detach();
+  // Across hosts, a world slow to form may be one that a cut keeps from
+  // forming: its transport would wait out its own timeout for that.
+  auto probe_at = Clock::now() + kProbeTimeout;
   while (result.wait_for(std::chrono::milliseconds(5)) != std::future_status::ready) {
     std::string why;
     for (const auto& member : decided) {
@@ -175,6 +202,15 @@ World FaultTolerance::Impl::form(int64_t target, const std::vector<Member>& deci
         why = member.describe() + " failed: " + *failure;
         break;
       }
+    }
+    if (why.empty() && probe && Clock::now() >= probe_at) {
+      me.cut_off = detail::unreachable_members(ranked, me, kProbeTimeout);
+      if (!me.cut_off.empty()) {
+        why = detail::str("cannot reach ", detail::describe(ranks_of(ranked, me.cut_off)),
+                          " (no connection within ", detail::seconds(kProbeTimeout),
+                          "): a network cut");
+      }
+      probe_at = Clock::now() + kProbeTimeout;
     }
     if (why.empty() && within_epoch) {
       // A world formed inside the epoch (the transfer's) is given up with
@@ -306,6 +342,68 @@ void FaultTolerance::Impl::set_transfer(std::optional<World> carrier) {
   watch->transfer = std::move(carrier);
   if (watch->transfer && !watch->verdict.empty()) {
     WorldAccess::abandon(*watch->transfer, watch->verdict);
+  }
+}
+
+void FaultTolerance::Impl::check_not_replaced() const {
+  if (auto newer = liveness->replaced_by()) {
+    LOCKSTEP_FAIL(FaultToleranceError, "rank ", me.replica, " (incarnation ", me.incarnation,
+                  ", pid ", me.identity.pid, ") is refused: its rank was restarted since, as "
+                  "incarnation ", *newer, ", which trains in its place. This process is "
+                  "stale (it was stopped or cut off for longer than the heartbeat timeout) "
+                  "and ends.");
+  }
+}
+
+void FaultTolerance::Impl::await_link(Clock::time_point deadline) {
+  if (!probe) {
+    return;
+  }
+  bool said = false;
+  while (true) {
+    auto latest = membership->latest();
+    if (std::any_of(latest.members.begin(), latest.members.end(),
+                    [&](const Member& m) { return same_process(m, me); })) {
+      return; // a member of it: it comes, with what it finds in this attempt
+    }
+    // Its members that live (a failed one, or one replaced since, is no
+    // one to reach: its host may be gone).
+    std::vector<Member> live;
+    std::copy_if(latest.members.begin(), latest.members.end(), std::back_inserter(live),
+                 [&](const Member& m) {
+                   return !liveness->failed(m.replica, m.incarnation) &&
+                       m.incarnation >= liveness->incarnation_of(m.replica);
+                 });
+    me.cut_off = detail::unreachable_members(live, me, kProbeTimeout);
+    if (me.cut_off.empty()) {
+      if (said) {
+        say(detail::str("reaches the ranks of epoch ", latest.number, " again: it rejoins"));
+      }
+      return;
+    }
+    auto cut = detail::describe(ranks_of(live, me.cut_off));
+    if (!said) {
+      say(detail::str("left out of epoch ", latest.number, ": it cannot reach ", cut,
+                      " of that epoch; it asks to rejoin once it reaches them"));
+      said = true;
+    }
+    if (membership->finished()) { // the others ended the loop meanwhile
+      if (me.step < 0) {
+        detail::leave_ended_job(*membership, me.replica, me.incarnation);
+      }
+      membership->left(me.replica, me.incarnation, detail::kLeft);
+      LOCKSTEP_FAIL(FaultToleranceError, "rank ", me.replica, " was cut off from ", cut,
+                    " while they ended the job's loop: the job's state is theirs, and this "
+                    "rank leaves with nothing to rejoin.");
+    }
+    LOCKSTEP_ENFORCE(Clock::now() < deadline, FaultToleranceError, "rank ", me.replica,
+                     " could not reach ", cut, " of epoch ", latest.number,
+                     " within FaultToleranceOptions::timeout (",
+                     detail::seconds(options.timeout()), "), though the job's store answers: "
+                     "a network cut between their hosts.");
+    std::this_thread::sleep_for(kProbeEvery);
+    check_group();
+    check_not_replaced();
   }
 }
 

@@ -59,6 +59,10 @@ bool WorldAccess::across_hosts(const World& world) {
   return !world.impl_->config.single_host;
 }
 
+std::string WorldAccess::local_address(const World& world) {
+  return world.impl_->group_options().local_address;
+}
+
 bool WorldAccess::has_secret(const World& world) {
   return !world.impl_->config.secret.empty();
 }

@@ -43,6 +43,9 @@ struct WorldAccess {
   static bool standby(const World& world);
   /// Whether the job may span hosts (its store is reached over a network).
   static bool across_hosts(const World& world);
+  /// The address the job's other hosts reach this process at (127.0.0.1
+  /// on one host).
+  static std::string local_address(const World& world);
   /// Whether the job has a secret (WorldOptions::secret).
   static bool has_secret(const World& world);
   /// This process's part in the job's liveness, started if need be, with

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -9,6 +10,7 @@
 #include <filesystem>
 #include <iostream>
 #include <sstream>
+#include <thread>
 
 #include <ATen/Context.h>
 #include <gtest/gtest.h>
@@ -141,7 +143,7 @@ std::string LaunchResult::report() const {
   for (const auto& rank : ranks) {
     if (!rank.ok()) {
       out << "---- output of rank " << rank.rank << " ----\n"
-          << tail(rank.output, 8000) << "\n";
+          << tail(rank.output, rank.timed_out ? 40000 : 8000) << "\n"; // with its stacks
     }
   }
   return out.str();
@@ -250,9 +252,29 @@ LaunchResult launch_ranks(
     children.emplace_back(std::vector<std::string>{self_executable(), filter}, env);
   }
   auto deadline = start + options.timeout;
+  auto running = [&] {
+    bool any = false;
+    for (auto& child : children) {
+      any = !child.poll() || any;
+    }
+    return any;
+  };
+  while (running() && Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  if (options.stacks_on_timeout) {
+    // Past the limit, every rank still running stops where it is at once,
+    // so that the stacks taken one by one below show where each waited.
+    for (auto& child : children) {
+      if (!child.poll()) {
+        child.kill_group(SIGSTOP);
+      }
+    }
+  }
   for (int rank = 0; rank < options.world_size; ++rank) {
     RankResult rank_result;
-    static_cast<ProcessExit&>(rank_result) = children[rank].wait_until(deadline);
+    static_cast<ProcessExit&>(rank_result) =
+        children[rank].wait_until(deadline, options.stacks_on_timeout);
     rank_result.rank = rank;
     result.ranks.push_back(rank_result);
   }

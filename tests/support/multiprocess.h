@@ -27,6 +27,9 @@ struct LaunchOptions {
   /// RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1,
   /// MASTER_PORT (free) and OMP_NUM_THREADS=1; set a value to "" to unset it.
   std::function<void(int rank, RankEnvironment&)> environment;
+  /// A rank killed at the limit leaves every thread's stack in its output
+  /// (where gdb is installed; it takes seconds).
+  bool stacks_on_timeout = true;
 };
 
 struct RankResult : ProcessExit {

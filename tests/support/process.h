@@ -46,7 +46,10 @@ class Process {
   void kill_group(int signo);
   /// Waits until it ends or `deadline` passes; then it is killed and
   /// reported as timed out.
-  ProcessExit wait_until(std::chrono::steady_clock::time_point deadline);
+  /// With `stacks`, a process still running at the deadline is stopped and
+  /// every thread's stack goes into its output (where gdb is installed)
+  /// before it is killed.
+  ProcessExit wait_until(std::chrono::steady_clock::time_point deadline, bool stacks = false);
   /// What it printed so far.
   std::string output() const;
 
