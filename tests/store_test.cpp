@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include "store/client.h"
+#include "store/host_folder.h"
 #include "world/job_secret.h"
 #include "store/server.h"
 #include "store/wire.h"
@@ -364,6 +365,22 @@ TEST_F(StoreLiveness, AGoodbyeIsNoFailureAndNotesReachEveryWatcher) {
   poster.join();
   ASSERT_EQ(change.notes.size(), 1u);
   EXPECT_EQ(change.notes[0], "ft abandon 7");
+}
+
+// A job that clears abandoned folders on its host (rank 0 hosting a store)
+// took another job's folder still being made, whose owner it had not yet
+// written, for abandoned: the other's folder lost its owner, and its ranks
+// waited for one until their timeout.
+TEST(JobFolders, AFolderBeingMadeIsNeverTakenForAJobFolder) {
+  EXPECT_TRUE(store::is_job_folder_name("port-29500"));
+  EXPECT_FALSE(store::is_job_folder_name("port-29500.draft"));
+  EXPECT_FALSE(store::is_job_folder_name("port-"));
+  EXPECT_FALSE(store::is_job_folder_name("ledger-port-1"));
+  ScratchFolder base("job-folders");
+  auto folder = store::job_folder(base.path(), 4242);
+  ASSERT_EQ(store::create_job_folder(folder, "host 1 2"), "");
+  EXPECT_EQ(store::folder_owner(folder), "host 1 2");
+  EXPECT_FALSE(std::filesystem::exists(folder + ".draft"));
 }
 
 } // namespace

@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -50,10 +51,23 @@ std::string create_job_folder(const std::string& folder, const std::string& owne
   if (!fs::create_directory(draft, ignored)) {
     return "cannot create " + draft.string();
   }
-  std::ofstream(draft / "owner") << owner << "\n";
+  std::ofstream written(draft / "owner");
+  written << owner << "\n";
+  written.close();
+  if (!written) { // a folder without its owner would be taken for abandoned
+    fs::remove_all(draft, ignored);
+    return "cannot write the owner of " + draft.string();
+  }
   std::error_code renamed;
   fs::rename(draft, folder, renamed);
   return renamed ? "cannot create " + folder + ": " + renamed.message() : "";
+}
+
+bool is_job_folder_name(const std::string& name) {
+  const std::string prefix = "port-";
+  return name.size() > prefix.size() && name.rfind(prefix, 0) == 0 &&
+      std::all_of(name.begin() + prefix.size(), name.end(),
+                  [](char c) { return c >= '0' && c <= '9'; });
 }
 
 std::string folder_owner(const std::string& folder) {

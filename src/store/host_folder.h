@@ -25,6 +25,12 @@ std::string socket_path(const std::string& folder);
 /// Returns "" or why not.
 std::string create_job_folder(const std::string& folder, const std::string& owner);
 
+/// Whether `name`, an entry of the base, is a job folder ("port-" and
+/// digits): a folder still being made (".draft") is not one, so that a
+/// job that clears abandoned folders never takes another's for abandoned
+/// before its owner is written.
+bool is_job_folder_name(const std::string& name);
+
 /// The owner line of a job folder ("" when there is none yet).
 std::string folder_owner(const std::string& folder);
 

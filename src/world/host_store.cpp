@@ -50,7 +50,8 @@ bool owner_gone(const std::string& folder) {
 void remove_abandoned(const std::string& base) {
   std::error_code ignored;
   for (const auto& entry : fs::directory_iterator(base, ignored)) {
-    if (entry.is_directory(ignored) && entry.path().filename().string().rfind("port-", 0) == 0 &&
+    if (entry.is_directory(ignored) &&
+        store::is_job_folder_name(entry.path().filename().string()) &&
         owner_gone(entry.path().string())) {
       store::remove_folder(entry.path().string());
     }
