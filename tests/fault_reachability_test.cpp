@@ -19,6 +19,7 @@
 
 #include "fault/membership.h"
 #include "fault/reachability.h"
+#include "support/multiprocess.h"
 
 namespace lockstep::testing {
 namespace {
@@ -40,20 +41,6 @@ std::vector<int> replicas(const std::vector<Member>& members) {
     out.push_back(m.replica);
   }
   return out;
-}
-
-// A port that was free a moment ago: nobody listens there.
-int closed_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t length = sizeof(address);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address));
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
-  int port = ntohs(address.sin_port);
-  ::close(fd);
-  return port;
 }
 
 // An endpoint that never answers, as a host behind a cut: a listener
@@ -100,7 +87,7 @@ TEST(Reachability, AListenerIsReachedARefusalIsAnAnswerAndSilenceIsACut) {
   auto me = member(0, "10.0.0.9:1");
   auto members = {me, member(1, listener.endpoint()),
                   // A process that ended: its host refuses, so it is reached.
-                  member(2, "127.0.0.2:" + std::to_string(closed_port())),
+                  member(2, "127.0.0.2:" + std::to_string(free_port())),
                   member(3, silent.endpoint()), member(4, "")};
   auto start = std::chrono::steady_clock::now();
   auto unreachable = detail::unreachable_members(members, me, 500ms);
