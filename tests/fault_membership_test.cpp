@@ -15,6 +15,7 @@
 #include "store/server.h"
 #include "world/liveness.h"
 #include "support/expect_error.h"
+#include "support/members.h"
 #include "support/scratch_folder.h"
 #include "world/job_secret.h"
 
@@ -47,13 +48,6 @@ class MembershipOverAStore : public ::testing::Test {
     };
     signer.secured = !secret.empty();
     return std::make_unique<Membership>(client(), prefix, signer);
-  }
-  static Member member(int replica, int64_t step, int64_t trained) {
-    Member m;
-    m.replica = replica;
-    m.step = step;
-    m.trained = trained;
-    return m;
   }
   ScratchFolder folder_{"membership"};
   std::unique_ptr<store::StoreServer> server_;

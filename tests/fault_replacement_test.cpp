@@ -9,7 +9,6 @@
 #include <signal.h>
 
 #include <chrono>
-#include <fstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -27,12 +26,6 @@ namespace lockstep::testing {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-int committed_lines(const std::string& path) {
-  std::ifstream log(path);
-  std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
-  return occurrences(text, "\n");
-}
 
 TEST(FaultToleranceReplacement, AFreshLauncherForALostNodeRejoinsTheJob) {
   ScratchFolder out("ft-replacement");

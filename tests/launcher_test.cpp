@@ -273,7 +273,12 @@ TEST(Launcher, BadCommandLinesExitWithUsage) {
            {"--nnodes", "2", "--node-rank", "2", "--master-addr", "a", "--master-port", "1", "--", "true"},
            {"--nproc-per-node", "2"},
            {"--ranks-filter", "0,x", "--", "true"},
-           {"--nproc-per-node", "2", "--ranks-filter", "2", "--", "true"}}) {
+           {"--nproc-per-node", "2", "--ranks-filter", "2", "--", "true"},
+           {"--store-successors", "b:29500", "--", "true"},
+           {"--nnodes", "2", "--master-addr", "a", "--master-port", "1", "--store-successors",
+            "b", "--", "true"},
+           {"--nnodes", "2", "--master-addr", "a", "--master-port", "1", "--store-successors",
+            "b:1,c:2", "--", "true"}}) {
     auto result = launch(args);
     EXPECT_EQ(result.exit_code, 2) << args.front();
     EXPECT_TRUE(contains(result.output, "usage: lockstep-run")) << result.output;

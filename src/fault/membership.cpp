@@ -147,14 +147,9 @@ std::string Membership::open(const std::string& what, const std::string& key,
   return body;
 }
 
-Epoch Membership::latest() {
-  auto value =
-      store_guarded("read the latest epoch", [&] { return client_->get(prefix_ + "epoch"); });
+Epoch Membership::parse_epoch(const std::string& value) const {
   Epoch epoch;
-  if (!value) {
-    return epoch;
-  }
-  auto body = open("epoch", "the latest epoch", *value);
+  auto body = open("epoch", "the latest epoch", value);
   auto newline = body.find('\n');
   std::istringstream head(body.substr(0, newline));
   LOCKSTEP_ENFORCE(static_cast<bool>(head >> epoch.number >> epoch.lineage) && epoch.number >= 0,
@@ -162,7 +157,52 @@ Epoch Membership::latest() {
                    "read as one (\"", first_line(body), "\"): this rank refuses to act on it "
                    "and ends.");
   epoch.members = parse_members(newline == std::string::npos ? "" : body.substr(newline + 1));
-  epoch.stored = *value;
+  epoch.stored = value;
+  return epoch;
+}
+
+std::optional<std::string> Membership::write_back(std::optional<std::string> value) {
+  // A store that took over from one that is gone holds only what was
+  // written to it since: the latest epoch this rank read, signed by its
+  // decider, is written back over anything older (or nothing), by one
+  // compare-and-set per try, so that the epochs stay totally ordered
+  // across the move. Every rank that moved does so; the highest stands.
+  for (int attempt = 0; attempt < 8; ++attempt) {
+    if (value) {
+      auto there = parse_epoch(*value);
+      if (there.number > highest_epoch_ ||
+          (there.number == highest_epoch_ && there.lineage >= highest_lineage_)) {
+        return value;
+      }
+    }
+    auto stored = client_->compare_set(prefix_ + "epoch", value.value_or(""), held_);
+    if (stored == held_) {
+      client_->set(prefix_ + epoch_key(highest_epoch_, "members"), held_);
+      std::cerr << "lockstep: the job's store moved to " << client_->serving().describe()
+                << "; this rank wrote back the latest epoch it holds (" << highest_epoch_
+                << ")\n";
+    }
+    value = stored.empty() ? std::nullopt : std::optional<std::string>(stored);
+  }
+  return value;
+}
+
+Epoch Membership::latest() {
+  auto value = store_guarded("read the latest epoch", [&] {
+    auto read = client_->get(prefix_ + "epoch");
+    if (client_->moves() != moves_seen_ && !held_.empty()) {
+      read = write_back(read);
+    }
+    moves_seen_ = client_->moves();
+    return read;
+  });
+  if (!value) {
+    LOCKSTEP_ENFORCE(highest_epoch_ < 0, FaultToleranceError, "the job's latest epoch went "
+                     "back from ", highest_epoch_, " to none: the job's store was restarted "
+                     "where it stood, or emptied. This rank refuses to act on it and ends.");
+    return Epoch{};
+  }
+  Epoch epoch = parse_epoch(*value);
   LOCKSTEP_ENFORCE(epoch.number >= highest_epoch_, FaultToleranceError, "the job's latest "
                    "epoch went back from ", highest_epoch_, " to ", epoch.number, ": an old value "
                    "was put back in the job's store. This rank refuses to act on it and ends.");
@@ -170,8 +210,17 @@ Epoch Membership::latest() {
                    "went back from epoch ", highest_lineage_, " to ", epoch.lineage, ": an old "
                    "value was put back in the job's store. This rank refuses to act on it and "
                    "ends.");
+  // One decision per epoch: the same epoch and lineage with other members
+  // is a second decision (a store that took over, where a rank that held
+  // only an older epoch decided over it before the latest came back).
+  LOCKSTEP_ENFORCE(epoch.number != highest_epoch_ || epoch.lineage != highest_lineage_ ||
+                       epoch.stored == held_,
+                   FaultToleranceError, "the job's store holds another decision for epoch ",
+                   epoch.number, " than the one this rank acted on: the epochs forked (after "
+                   "the store moved?). This rank refuses to act on it and ends.");
   highest_epoch_ = epoch.number;
   highest_lineage_ = epoch.lineage;
+  held_ = epoch.stored;
   return epoch;
 }
 

@@ -191,11 +191,19 @@ class Membership {
   std::string prefix_; // "<job prefix>/ft/"
   Signer signer_;
   std::string epoch_value(int64_t number, int64_t lineage, const std::vector<Member>& members) const;
+  /// A stored latest epoch, its proof checked.
+  Epoch parse_epoch(const std::string& value) const;
+  /// After the store moved (StoreClient::moves): `held_` written over an
+  /// older latest epoch, or none; returns the latest after.
+  std::optional<std::string> write_back(std::optional<std::string> value);
 
   // The highest epoch and lineage read: a value that goes back is an old
   // signed value put back by a store writer, and is refused.
   int64_t highest_epoch_ = -1;
   int64_t highest_lineage_ = -1;
+  // The stored value of the highest read, and the client's moves then.
+  std::string held_;
+  int moves_seen_ = 0;
 };
 
 /// Leaves a job whose loop has ended (Membership::finished), as

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <limits>
 #include <cstring>
+#include <thread>
 
 #include "store/wire.h"
 #include "world/job_secret.h"
@@ -40,7 +41,7 @@ Reader fields(const std::string& body) {
 } // namespace
 
 StoreClient::StoreClient(Endpoint endpoint, std::chrono::milliseconds timeout)
-    : endpoint_(std::move(endpoint)), timeout_(timeout) {
+    : endpoint_(std::move(endpoint)), candidates_(endpoint_.candidates()), timeout_(timeout) {
   connect(Clock::now() + timeout_);
 }
 
@@ -57,17 +58,74 @@ void StoreClient::set_timeout(std::chrono::milliseconds timeout) {
   timeout_ = timeout;
 }
 
+void StoreClient::set_move_wait(std::chrono::milliseconds wait) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  move_wait_ = wait;
+}
+
+const Endpoint& StoreClient::serving() const {
+  return candidates_[serving_];
+}
+
 void StoreClient::connect(Clock::time_point deadline, bool retry) {
+  if (candidates_.size() == 1) {
+    connect_to_candidate(0, deadline, retry);
+    return;
+  }
+  // The one served last first, then the others in the job's order, until
+  // one answers as a store with the job's secret; in rounds, since a
+  // successor takes over a moment after its predecessor is gone.
+  constexpr auto kOneTry = std::chrono::seconds(1);
+  std::string causes;
+  bool unproven = false;
+  while (true) {
+    causes.clear();
+    unproven = false;
+    for (size_t k = 0; k < candidates_.size(); ++k) {
+      size_t candidate = k == 0 ? serving_ : (k <= serving_ ? k - 1 : k);
+      try {
+        connect_to_candidate(candidate, std::min(deadline, Clock::now() + kOneTry), false);
+        if (candidate != serving_) {
+          serving_ = candidate;
+          ++moves_;
+        }
+        return;
+      } catch (const StoreError& e) {
+        // (A store with another secret too: another job's, at an address
+        // of this job's list, is not this job's store.)
+        causes += std::string(causes.empty() ? "" : "; ") + e.what();
+        unproven = unproven || dynamic_cast<const UnprovenError*>(&e) != nullptr;
+      }
+    }
+    // (`retry` or not: a successor is awaited until the deadline either
+    // way, unless another thread interrupts this client meanwhile.)
+    bool interrupted;
+    {
+      std::lock_guard<std::mutex> lock(fd_mutex_);
+      interrupted = interrupted_;
+    }
+    if (interrupted || Clock::now() + std::chrono::milliseconds(100) >= deadline) {
+      if (unproven) {
+        throw UnprovenError("no store of the job answers (" + causes + ")");
+      }
+      throw StoreError("no store of the job answers (" + causes + ")");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
+void StoreClient::connect_to_candidate(size_t index, Clock::time_point deadline, bool retry) {
+  const Endpoint& endpoint = candidates_[index];
   std::string error;
-  int fd = connect_to(endpoint_, deadline, error, retry);
+  int fd = connect_to(endpoint, deadline, error, retry);
   if (fd < 0) {
-    throw StoreError("cannot reach the store at " + endpoint_.describe() + ": " + error);
+    throw StoreError("cannot reach the store at " + endpoint.describe() + ": " + error);
   }
   {
     std::lock_guard<std::mutex> lock(fd_mutex_);
     fd_ = fd;
   }
-  if (endpoint_.secret.empty()) {
+  if (endpoint.secret.empty()) {
     return;
   }
   // Over a nonce of the store's: a proof seen on the wire proves nothing
@@ -78,7 +136,7 @@ void StoreClient::connect(Clock::time_point deadline, bool retry) {
     if (status_of(challenge) == Status::Ok) {
       auto nonce = fields(challenge).str();
       proved = status_of(exchange(Writer(static_cast<uint8_t>(Op::Prove))
-                                      .str(detail::prove(endpoint_.secret, "store|" + nonce))
+                                      .str(detail::prove(endpoint.secret, "store|" + nonce))
                                       .finish(),
                                   {}));
     }
@@ -87,10 +145,10 @@ void StoreClient::connect(Clock::time_point deadline, bool retry) {
   if (proved != Status::Ok) {
     disconnect();
     if (proved == Status::Unproven) {
-      throw UnprovenError("the store at " + endpoint_.describe() + " holds another job secret "
+      throw UnprovenError("the store at " + endpoint.describe() + " holds another job secret "
                           "than this process's");
     }
-    throw StoreError("the store at " + endpoint_.describe() + " did not answer a proof of the "
+    throw StoreError("the store at " + endpoint.describe() + " did not answer a proof of the "
                      "job secret: is it a lockstep store?");
   }
 }
@@ -105,6 +163,7 @@ void StoreClient::disconnect() {
 
 void StoreClient::interrupt() {
   std::lock_guard<std::mutex> lock(fd_mutex_);
+  interrupted_ = true;
   if (fd_ >= 0) {
     ::shutdown(fd_, SHUT_RDWR);
   }
@@ -113,12 +172,37 @@ void StoreClient::interrupt() {
 std::string StoreClient::call(const std::string& request, std::chrono::milliseconds wait) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (fd_ < 0) {
-    // Once: the store answered before, and one that refuses now is gone.
+    // Once: the store answered before, and one that refuses now is gone
+    // (a successor, where the job has them, may have taken over).
     connect(Clock::now() + timeout_, /*retry=*/false);
   }
-  auto body = exchange(request, wait);
+  std::string body;
+  try {
+    closed_by_store_ = false;
+    body = exchange(request, wait);
+  } catch (const StoreError&) {
+    // Only where the store closed the connection (its process is gone)
+    // and another store of the job answers now: there the request is
+    // asked again, since what the gone one held is gone with it. Never
+    // twice of the same store (an add would count twice).
+    bool interrupted;
+    {
+      std::lock_guard<std::mutex> fd_lock(fd_mutex_);
+      interrupted = interrupted_;
+    }
+    if (candidates_.size() == 1 || !closed_by_store_ || interrupted) {
+      throw;
+    }
+    size_t before = serving_;
+    connect(Clock::now() + move_wait_.value_or(timeout_), /*retry=*/false);
+    if (serving_ == before) {
+      disconnect();
+      throw;
+    }
+    body = exchange(request, wait);
+  }
   if (status_of(body) == Status::Unproven) {
-    throw UnprovenError("the store at " + endpoint_.describe() + " requires the job secret, "
+    throw UnprovenError("the store at " + serving().describe() + " requires the job secret, "
                         "and this process did not prove it");
   }
   return body;
@@ -128,7 +212,7 @@ std::string StoreClient::exchange(const std::string& request, std::chrono::milli
   auto deadline = Clock::now() + wait + timeout_;
   auto fail = [&](const std::string& why) {
     disconnect();
-    throw StoreError("the store at " + endpoint_.describe() + " " + why);
+    throw StoreError("the store at " + serving().describe() + " " + why);
   };
   size_t sent = 0;
   while (sent < request.size()) {
@@ -142,6 +226,7 @@ std::string StoreClient::exchange(const std::string& request, std::chrono::milli
       continue;
     }
     if (n <= 0) {
+      closed_by_store_ = true;
       fail(std::string("closed the connection: ") + std::strerror(errno));
     }
     sent += static_cast<size_t>(n);
@@ -176,6 +261,7 @@ std::string StoreClient::exchange(const std::string& request, std::chrono::milli
       continue;
     }
     if (n <= 0) {
+      closed_by_store_ = true;
       fail("closed the connection");
     }
     got += static_cast<size_t>(n);
@@ -196,7 +282,7 @@ std::string StoreClient::ping() {
   }
   if (greeting != kGreeting) {
     disconnect();
-    throw StoreError("the peer at " + endpoint_.describe() + " is not a lockstep store");
+    throw StoreError("the peer at " + serving().describe() + " is not a lockstep store");
   }
   return greeting;
 }

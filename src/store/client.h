@@ -45,6 +45,20 @@ class StoreClient {
   const Endpoint& endpoint() const {
     return endpoint_;
   }
+  /// The store this client reached last: endpoint(), or one of its
+  /// successors once that one was gone.
+  const Endpoint& serving() const;
+  /// How many times this client found the job's store at another endpoint
+  /// than the one before: a store that took over holds only what the
+  /// processes wrote to it since (membership.cpp writes back what it holds).
+  int moves() const {
+    return moves_;
+  }
+  /// How long a call whose store closed its connection waits for a
+  /// successor to answer before it fails (the client's timeout unless set;
+  /// lockstep-run's watcher, which may take the store over itself, waits
+  /// for none).
+  void set_move_wait(std::chrono::milliseconds wait);
   std::chrono::milliseconds timeout() const;
   void set_timeout(std::chrono::milliseconds timeout);
 
@@ -93,17 +107,28 @@ class StoreClient {
   std::string call(const std::string& request, std::chrono::milliseconds wait);
   /// One request and its answer on the connection there is.
   std::string exchange(const std::string& request, std::chrono::milliseconds wait);
-  /// Connects and, where the endpoint carries the job's secret, proves it.
+  /// Connects to the store of the job that answers (the endpoint, or a
+  /// successor) and, where the endpoint carries the job's secret, proves it.
   void connect(std::chrono::steady_clock::time_point deadline, bool retry = true);
+  void connect_to_candidate(size_t index, std::chrono::steady_clock::time_point deadline,
+                            bool retry);
   void disconnect();
 
   Endpoint endpoint_;
+  std::vector<Endpoint> candidates_; // endpoint_, then its successors
+  size_t serving_ = 0;
+  int moves_ = 0;
+  std::optional<std::chrono::milliseconds> move_wait_;
+  // The last exchange failed because the store closed the connection (not
+  // for a late answer, which says nothing of whether it is gone).
+  bool closed_by_store_ = false;
   std::mutex mutex_;
   std::chrono::milliseconds timeout_;
   // Changed under fd_mutex_ too, so that interrupt() never shuts a socket
   // that is no longer this client's.
   std::mutex fd_mutex_;
   int fd_ = -1;
+  bool interrupted_ = false; // never asked again elsewhere once interrupted
 };
 
 } // namespace lockstep::store

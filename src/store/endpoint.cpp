@@ -84,32 +84,68 @@ Endpoint Endpoint::tcp(std::string host, int port) {
   return endpoint;
 }
 
-Endpoint Endpoint::parse(const std::string& text) {
+namespace {
+
+Endpoint parse_one(const std::string& text) {
   if (text.rfind("unix:", 0) == 0 && text.size() > 5) {
-    return unix_socket(text.substr(5));
+    return Endpoint::unix_socket(text.substr(5));
   }
   auto colon = text.rfind(':');
   if (text.rfind("tcp:", 0) == 0 && colon > 4 && colon + 1 < text.size()) {
-    int port = 0;
-    try {
-      port = std::stoi(text.substr(colon + 1));
-    } catch (const std::exception&) {
-      port = -1;
+    auto digits = text.substr(colon + 1);
+    int port = -1;
+    if (digits.size() <= 5 && digits.find_first_not_of("0123456789") == std::string::npos) {
+      port = std::stoi(digits);
     }
     if (port > 0 && port <= 65535) {
-      return tcp(text.substr(4, colon - 4), port);
+      return Endpoint::tcp(text.substr(4, colon - 4), port);
     }
   }
   throw std::invalid_argument("'" + text + "' is not a store endpoint (unix:PATH or "
                               "tcp:HOST:PORT)");
 }
 
+} // namespace
+
+Endpoint Endpoint::parse(const std::string& text) {
+  // Split only where another endpoint begins: a Unix socket's path may
+  // hold a comma.
+  auto next_one = [&](size_t from) {
+    auto tcp = text.find(",tcp:", from);
+    auto unix = text.find(",unix:", from);
+    return std::min(tcp, unix);
+  };
+  auto comma = next_one(0);
+  Endpoint endpoint = parse_one(text.substr(0, comma));
+  while (comma != std::string::npos) {
+    auto next = next_one(comma + 1);
+    endpoint.successors.push_back(parse_one(text.substr(comma + 1, next - comma - 1)));
+    comma = next;
+  }
+  return endpoint;
+}
+
 std::string Endpoint::to_string() const {
-  return kind == Kind::Unix ? "unix:" + path : "tcp:" + host + ":" + std::to_string(port);
+  std::string text = kind == Kind::Unix ? "unix:" + path : "tcp:" + host + ":" + std::to_string(port);
+  for (const auto& successor : successors) {
+    text += "," + successor.to_string();
+  }
+  return text;
 }
 
 std::string Endpoint::describe() const {
   return kind == Kind::Unix ? path : host + ":" + std::to_string(port);
+}
+
+std::vector<Endpoint> Endpoint::candidates() const {
+  std::vector<Endpoint> all{*this};
+  all[0].successors.clear();
+  for (auto successor : successors) {
+    successor.secret = secret;
+    successor.successors.clear();
+    all.push_back(std::move(successor));
+  }
+  return all;
 }
 
 int hold_loopback_port(int port, std::string& error) {
@@ -246,6 +282,19 @@ int connect_to(const Endpoint& endpoint, Clock::time_point deadline, std::string
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::milliseconds(50));
   }
+}
+
+Presence presence(const Endpoint& endpoint, std::chrono::milliseconds within) {
+  std::string error;
+  errno = 0;
+  int fd = connect_to(endpoint, Clock::now() + within, error, /*retry=*/false);
+  if (fd >= 0) {
+    ::close(fd);
+    return Presence::Listening;
+  }
+  // connect_within leaves the connection's own errno (ENOENT: no socket
+  // file where a Unix store was).
+  return errno == ECONNREFUSED || errno == ENOENT ? Presence::Refused : Presence::Silent;
 }
 
 } // namespace lockstep::store

@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <string>
+#include <vector>
 
 namespace lockstep::store {
 
@@ -18,16 +19,40 @@ struct Endpoint {
   /// connecting (never sending it). Not part of to_string(), which may be
   /// printed and is passed to other processes.
   std::string secret;
+  /// Where the job's store is served once this one is gone, in order
+  /// (lockstep-run --store-successors: node 1's address, then node 2's):
+  /// a client whose store closed its connection, or refuses, tries them.
+  /// Part of to_string(), after commas.
+  std::vector<Endpoint> successors;
 
   static Endpoint unix_socket(std::string path);
   static Endpoint tcp(std::string host, int port);
-  /// "unix:PATH" or "tcp:HOST:PORT", as to_string() writes it; throws
+  /// "unix:PATH" or "tcp:HOST:PORT", then its successors after commas
+  /// ("tcp:A:P,tcp:B:Q"), as to_string() writes it; throws
   /// std::invalid_argument otherwise.
   static Endpoint parse(const std::string& text);
   std::string to_string() const;
-  /// For messages: the path, or "host:port".
+  /// For messages: the path, or "host:port" (of this one, not of its
+  /// successors).
   std::string describe() const;
+  /// This one and its successors, in order, each with the secret.
+  std::vector<Endpoint> candidates() const;
 };
+
+/// What one connection attempt says of whoever is at an endpoint.
+enum class Presence {
+  /// Something listens (whether a store or not, the caller asks it).
+  Listening,
+  /// Its host answers that nothing listens there: whatever served there is
+  /// gone (not merely out of reach).
+  Refused,
+  /// No answer within the time given (a host that is down, or cut off: the
+  /// two cannot be told apart from here).
+  Silent,
+};
+
+/// One connection attempt to `endpoint`, closed at once, within `within`.
+Presence presence(const Endpoint& endpoint, std::chrono::milliseconds within);
 
 /// A listening socket (non-blocking, close-on-exec). A Unix endpoint's old
 /// socket file is replaced; a TCP one binds `host` (every interface when

@@ -140,10 +140,12 @@ struct StoreServer::Impl {
   }
 
   ~Impl() {
+    // The listener first: a client whose connection closes must find
+    // nothing listening here any more (it then looks for a successor).
+    ::close(listener);
     for (auto& [id, connection] : connections) {
       ::close(connection->fd);
     }
-    ::close(listener);
     ::close(epoll);
     ::close(wake);
     if (options.endpoint.kind == Endpoint::Kind::Unix) {
@@ -781,6 +783,13 @@ StoreServer::~StoreServer() {
 
 const Endpoint& StoreServer::endpoint() const {
   return impl_->options.endpoint;
+}
+
+void StoreServer::preload(std::map<std::string, std::string> keys) {
+  if (thread_.joinable()) {
+    throw std::logic_error("StoreServer::preload after start()");
+  }
+  impl_->data = std::move(keys);
 }
 
 void StoreServer::start() {

@@ -18,6 +18,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -68,6 +69,9 @@ class StoreServer {
 
   /// Where it listens (with the port chosen).
   const Endpoint& endpoint() const;
+  /// Keys it holds from the start, before start() serves any connection:
+  /// what a launcher held of a store that is gone, for the one taking over.
+  void preload(std::map<std::string, std::string> keys);
   void start();
   /// Stops serving and closes every connection; also on destruction.
   void stop();

@@ -2,6 +2,7 @@
 
 #include <lockstep/error.h>
 
+#include "common/wording.h"
 #include "store/client.h"
 
 namespace lockstep::detail {
@@ -23,6 +24,7 @@ Liveness::Liveness(store::Endpoint endpoint, std::chrono::milliseconds store_tim
       heartbeat_ms_(heartbeat_timeout.count()) {
   calls_ = std::make_unique<store::StoreClient>(endpoint_, store_timeout_);
   beating_ = std::make_unique<store::StoreClient>(endpoint_, store_timeout_);
+  serving_ = beating_->serving().to_string();
   auto newer = beating_->hello(me_.slot, me_.incarnation,
                                std::chrono::milliseconds(heartbeat_ms_.load()), me_.identity);
   if (newer) {
@@ -45,6 +47,9 @@ void Liveness::stop() {
     if (goodbye_) {
       try {
         std::lock_guard<std::mutex> calls(calls_mutex_);
+        // A last word, not worth waiting for a successor of a store that
+        // left at the job's end.
+        calls_->set_move_wait(kConnectTry);
         calls_->goodbye(me_.slot, me_.incarnation, progress_.load());
       } catch (const std::exception&) {
         // The store is gone: nobody is left to tell.
@@ -68,6 +73,7 @@ bool Liveness::connect() {
       std::lock_guard<std::mutex> lock(mutex_);
       replaced_by_ = *newer;
     }
+    note_serving(*client);
   } catch (const std::exception&) {
     return false;
   }
@@ -88,8 +94,19 @@ void Liveness::run() {
         std::lock_guard<std::mutex> lock(mutex_);
         since = version_;
       }
-      apply(beating_->watch(progress_.load(), since,
-                            std::max(timeout / 8, std::chrono::milliseconds(1)), timeout));
+      auto change = beating_->watch(progress_.load(), since,
+                                    std::max(timeout / 8, std::chrono::milliseconds(1)), timeout);
+      if (note_serving(*beating_)) {
+        // The beat went to a store that took over (StoreClient asks the
+        // successor again): this process says hello there.
+        auto newer = beating_->hello(me_.slot, me_.incarnation, timeout, me_.identity);
+        if (newer) {
+          std::lock_guard<std::mutex> lock(mutex_);
+          replaced_by_ = *newer;
+        }
+        continue;
+      }
+      apply(change);
     } catch (const std::exception&) {
       if (stop_) {
         return;
@@ -102,6 +119,28 @@ void Liveness::run() {
       }
     }
   }
+}
+
+bool Liveness::note_serving(const store::StoreClient& client) {
+  auto where = client.serving().to_string();
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (where == serving_) {
+    return false;
+  }
+  // A store that took over knows only the processes that said hello to it
+  // since: a process of the view it had that does not say hello there
+  // within this process's heartbeat timeout counts as silent (apply()), as
+  // the store would have judged it.
+  serving_ = where;
+  unconfirmed_.clear();
+  for (const auto& [slot, seen] : view_) {
+    if (seen.state == store::SlotState::Alive) {
+      unconfirmed_.insert(slot);
+    }
+  }
+  version_ = 0;
+  moved_ = Moved{std::chrono::steady_clock::now(), client.serving().describe()};
+  return true;
 }
 
 void Liveness::apply(const store::ViewChange& change) {
@@ -117,11 +156,23 @@ void Liveness::apply(const store::ViewChange& change) {
     changed = change.version != version_ || !change.notes.empty();
     version_ = change.version;
     for (const auto& slot : change.slots) {
+      unconfirmed_.erase(slot.slot);
       view_[slot.slot] = slot;
       slot_of_identity_[slot.identity] = slot.slot;
       if (slot.slot == me_.slot && slot.incarnation > me_.incarnation) {
         replaced_by_ = slot.incarnation;
       }
+    }
+    if (!unconfirmed_.empty() && std::chrono::steady_clock::now() - moved_->when >
+                                     std::chrono::milliseconds(heartbeat_ms_.load())) {
+      for (int slot : unconfirmed_) {
+        auto& seen = view_[slot];
+        seen.state = store::SlotState::Silent;
+        seen.why = str("it has not said hello to the job's store since the store moved to ",
+                       moved_->to);
+      }
+      unconfirmed_.clear();
+      changed = true;
     }
     callback = callback_;
   }

@@ -17,6 +17,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -93,6 +94,9 @@ class Liveness {
   // does not answer within a short try.
   bool connect();
   void apply(const store::ViewChange& change);
+  /// Whether `client` reached another store than the one before (one took
+  /// over): the view is then to be confirmed by the new store.
+  bool note_serving(const store::StoreClient& client);
 
   store::Endpoint endpoint_;
   std::chrono::milliseconds store_timeout_;
@@ -114,6 +118,16 @@ class Liveness {
   /// The slot each process (its identity) said hello for, last.
   std::unordered_map<std::string, int> slot_of_identity_;
   uint64_t version_ = 0;
+  std::string serving_; // where the store answered last
+  /// Since when the view is that of a store that took over, and where.
+  struct Moved {
+    std::chrono::steady_clock::time_point when;
+    std::string to;
+  };
+  std::optional<Moved> moved_;
+  /// The slots alive in the view before the move that the store which took
+  /// over has not shown since.
+  std::set<int> unconfirmed_;
   std::optional<int> replaced_by_;
   std::function<void(const std::vector<std::string>&)> callback_;
   std::thread thread_;

@@ -4,6 +4,8 @@
 // programs): where the MNIST data is, and what their output says.
 
 #include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include "support/paths.h"
 
@@ -22,6 +24,14 @@ inline int occurrences(const std::string& text, const std::string& part) {
     ++found;
   }
   return found;
+}
+
+/// The lines a fault-tolerant test program wrote to its log of committed
+/// steps so far (one per step: how far a rank is while the job runs).
+inline int committed_lines(const std::string& path) {
+  std::ifstream log(path);
+  std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+  return occurrences(text, "\n");
 }
 
 } // namespace lockstep::testing

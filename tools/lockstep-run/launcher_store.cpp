@@ -3,11 +3,14 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <filesystem>
+#include <iostream>
 #include <sstream>
 #include <stdexcept>
+#include <thread>
 #include <utility>
 
 #include "store/client.h"
@@ -22,9 +25,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr auto kStoreTimeout = std::chrono::seconds(10);
 constexpr auto kWatchWait = std::chrono::seconds(1);
-constexpr auto kConnectTry = std::chrono::milliseconds(500);
 constexpr const char* kProof = "\nproof ";
 
 std::string env_or(const char* name, const std::string& fallback) {
@@ -51,7 +52,14 @@ LauncherStore::LauncherStore(const RunOptions& options, int port)
       secret_(env_or("LOCKSTEP_JOB_SECRET", "")) {
   bool one_host = options.nnodes == 1 && env_or("LOCKSTEP_STORE", "auto") != "tcp";
   store::Endpoint endpoint = store::Endpoint::tcp(options.master_addr, port);
-  if (options.node_rank == 0) {
+  for (const auto& address : options.store_successors) {
+    endpoint.successors.push_back(store::Endpoint::parse("tcp:" + address));
+  }
+  endpoint_ = endpoint.to_string();
+  if (options.node_rank == 0 && !one_host && served_by_a_successor()) {
+    // A fresh launcher for a node 0 that was lost: the job goes on at the
+    // store that took over, and this node's ranks rejoin it there.
+  } else if (options.node_rank == 0) {
     store::Endpoint listen = store::Endpoint::tcp("", port);
     if (one_host) {
       port_fd_ = hold_port(port);
@@ -69,8 +77,8 @@ LauncherStore::LauncherStore(const RunOptions& options, int port)
     }
     server_ = std::make_unique<store::StoreServer>(store::ServerOptions{listen, {}, secret_});
     server_->start();
+    endpoint_ = endpoint.to_string();
   }
-  endpoint_ = endpoint.to_string();
   if (::pipe2(wake_, O_CLOEXEC | O_NONBLOCK) != 0) {
     throw std::runtime_error("pipe failed");
   }
@@ -105,12 +113,16 @@ void LauncherStore::watch() {
   int first = options_.node_rank * options_.nproc_per_node;
   uint64_t since = 0;
   store::StoreClient* watcher = nullptr;
+  std::string served_at; // where the store answered last ("": never yet)
   while (true) {
     try {
       if (watcher == nullptr) {
         // In short tries, so that the launcher's end never waits on one.
         auto client = std::make_unique<store::StoreClient>(endpoint, kConnectTry);
         client->set_timeout(kStoreTimeout);
+        // Its store gone, the watcher looks for it again itself (and may
+        // take it over), rather than wait inside a call.
+        client->set_move_wait(std::chrono::milliseconds(0));
         std::lock_guard<std::mutex> lock(hung_mutex_);
         if (stop_) {
           return;
@@ -118,9 +130,34 @@ void LauncherStore::watch() {
         watcher_ = std::move(client);
         watcher = watcher_.get();
       }
+      if (watcher->serving().to_string() != served_at) {
+        if (!served_at.empty()) {
+          write_back(*watcher); // another store serves the job now
+          since = 0;
+        }
+        served_at = watcher->serving().to_string();
+      }
+      if (record_.empty()) {
+        // The job's record, as its rank 0 wrote it: a store that takes
+        // over gets it back (write_back), so that the nonce the ranks'
+        // proofs are bound to stays the job's.
+        record_ = watcher->get(detail::kJobRecordKey).value_or("");
+      }
+      if (!options_.store_successors.empty()) {
+        // What a store taking over starts with (take_over_if_gone).
+        auto ft = prefix(attempt_) + "/ft/";
+        if (auto epoch = watcher->get(ft + "epoch")) {
+          latest_epoch_ = {ft + "epoch", *epoch};
+        }
+        if (!loop_ended_ && watcher->get(ft + "finished")) {
+          loop_ended_ = true;
+        }
+      }
       auto change = watcher->watch(0, since, kWatchWait, {});
       since = change.version;
       for (const auto& slot : change.slots) {
+        auto& newest = incarnations_[slot.slot];
+        newest = std::max(newest, slot.incarnation);
         if (slot.state == store::SlotState::Reported && slot.slot >= first &&
             slot.slot < first + options_.nproc_per_node) {
           std::lock_guard<std::mutex> lock(hung_mutex_);
@@ -131,13 +168,18 @@ void LauncherStore::watch() {
       }
     } catch (const std::exception&) {
       // Not up yet (another node's launcher), or gone: try again.
-      std::lock_guard<std::mutex> lock(hung_mutex_);
-      if (stop_) {
-        return;
+      {
+        std::lock_guard<std::mutex> lock(hung_mutex_);
+        if (stop_) {
+          return;
+        }
+        watcher_.reset();
+        watcher = nullptr;
+        since = 0;
       }
-      watcher_.reset();
-      watcher = nullptr;
-      since = 0;
+      if (!served_at.empty()) {
+        take_over_if_gone();
+      }
     }
   }
 }
@@ -185,6 +227,10 @@ std::map<int, int> LauncherStore::known_incarnations() {
     for (const auto& slot : client.watch(0, 0, std::chrono::milliseconds(0), {}).slots) {
       known[slot.slot] = slot.incarnation;
     }
+    std::istringstream lines(client.get(kIncarnationsKey).value_or(""));
+    for (int slot = 0, incarnation = 0; lines >> slot >> incarnation;) {
+      known[slot] = known.count(slot) ? std::max(known[slot], incarnation) : incarnation;
+    }
   } catch (const store::UnprovenError& e) {
     throw std::runtime_error(std::string(e.what()) + ": give every launcher and rank of the "
                              "job the same LOCKSTEP_JOB_SECRET");
@@ -201,6 +247,7 @@ store::Endpoint LauncherStore::store_endpoint() const {
 }
 
 void LauncherStore::begin_attempt(int attempt) {
+  attempt_ = attempt;
   if (options_.node_rank != 0 || attempt == 0) {
     return;
   }
@@ -226,14 +273,19 @@ void LauncherStore::begin_attempt(int attempt) {
 }
 
 void LauncherStore::job_finished(int attempt) {
+  loop_ended_ = true;
   std::lock_guard<std::mutex> lock(client_mutex_);
   try {
     if (!client_) {
       client_ = std::make_unique<store::StoreClient>(store_endpoint(),
                                                      kStoreTimeout);
     }
-    client_->set(prefix(attempt) + "/ft/finished",
-                 std::string("ended") + kProof + prove(prefix(attempt) + "/ft/finished|ended"));
+    std::string key = prefix(attempt) + "/ft/finished";
+    std::string value = std::string("ended") + kProof + prove(key + "|ended");
+    client_->set(key, value);
+    std::lock_guard<std::mutex> finished(finished_mutex_);
+    finished_key_ = key; // written back where the store moves
+    finished_value_ = value;
   } catch (const std::exception&) {
     client_.reset(); // a job without fault tolerance, or its store gone
   }

@@ -25,6 +25,7 @@ int main(int argc, char** argv) {
     for (int attempt = 0;; ++attempt) {
       auto result = run_attempt(options, attempt, port, store);
       if (result.outcome == Outcome::Succeeded) {
+        store.linger(std::chrono::seconds(10));
         return 0;
       }
       if (result.outcome == Outcome::Interrupted) {

@@ -16,10 +16,16 @@ options:
   --nnodes M           machines in the job (default 1)
   --node-rank K        this machine's index, 0..M-1 (default 0); node K runs
                        ranks K*N .. K*N+N-1
-  --master-addr A      address of node 0, where rank 0 hosts the store
-                       (default 127.0.0.1; required when M > 1)
+  --master-addr A      address of node 0, whose lockstep-run hosts the
+                       job's store (default 127.0.0.1; required when M > 1)
   --master-port P      the store's TCP port (default: a free port when
                        M = 1; required when M > 1)
+  --store-successors L where nodes 1, 2, ... serve the store if node 0's
+                       is gone ("HOST:PORT,HOST:PORT": node 1's address
+                       first), the same on every node: when node 0's host
+                       answers that nothing listens on P any more (its
+                       lockstep-run died), node 1 takes over at its
+                       address, and the ranks write back what they hold
   --job-id ID          the job's id (LOCKSTEP_JOB_ID), the same on every
                        node: a rank of another job given the same address
                        and port is then refused instead of joining this one
@@ -94,6 +100,22 @@ RunOptions parse_options(int argc, char** argv) {
     } else if (arg == "--master-port") {
       options.master_port = parse_int(arg, value(arg), 1);
       port_given = true;
+    } else if (arg == "--store-successors") {
+      std::string list = value(arg);
+      for (size_t start = 0; start <= list.size();) {
+        size_t end = std::min(list.find(',', start), list.size());
+        std::string address = list.substr(start, end - start);
+        auto colon = address.rfind(':');
+        if (colon == std::string::npos || colon == 0) {
+          throw UsageError("--store-successors needs HOST:PORT entries, got '" + address + "'");
+        }
+        int port = parse_int(arg, address.substr(colon + 1), 1);
+        if (port > 65535) {
+          throw UsageError("--store-successors: " + address + " has no TCP port (1 to 65535)");
+        }
+        options.store_successors.push_back(address);
+        start = end + 1;
+      }
     } else if (arg == "--job-id") {
       options.job_id = value(arg);
     } else if (arg == "--log-dir") {
@@ -138,6 +160,16 @@ RunOptions parse_options(int argc, char** argv) {
     throw UsageError("--node-rank " + std::to_string(options.node_rank) +
                      " is out of range for --nnodes " +
                      std::to_string(options.nnodes));
+  }
+  if (!options.store_successors.empty() && options.nnodes == 1) {
+    throw UsageError("--store-successors needs --nnodes > 1: the store of a job on one host "
+                     "has no other host to move to");
+  }
+  if (static_cast<int>(options.store_successors.size()) >= options.nnodes) {
+    throw UsageError("--store-successors names " +
+                     std::to_string(options.store_successors.size()) + " addresses, but only "
+                     "nodes 1 to " + std::to_string(options.nnodes - 1) + " can take over the "
+                     "store (--nnodes " + std::to_string(options.nnodes) + ")");
   }
   if (options.nnodes > 1 && (!port_given || !addr_given)) {
     throw UsageError("--nnodes > 1 needs --master-addr and --master-port "

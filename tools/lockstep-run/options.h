@@ -14,6 +14,9 @@ struct RunOptions {
   int node_rank = 0;
   std::string master_addr = "127.0.0.1";
   int master_port = 0; // 0: pick a free one (single node only)
+  /// --store-successors: where node 1, 2, ... serve the job's store once
+  /// node 0's (and each before theirs) is gone, as "HOST:PORT".
+  std::vector<std::string> store_successors;
   std::string job_id; // empty: LOCKSTEP_JOB_ID as it is
   std::string log_dir; // empty: prefix lines on this terminal
   std::vector<int> shown_ranks; // --ranks-filter; empty: every rank's lines

@@ -302,9 +302,13 @@ AttemptResult run_attempt(const RunOptions& options, int attempt, int port,
     known = store.known_incarnations();
   }
   std::vector<Rank> ranks(options.nproc_per_node);
+  // So do restart counts: an incarnation is one restart of its slot, so a
+  // replacement starts with the budget its predecessors left.
+  int restarts = 0; // of single ranks, with --restart rank
   for (int local = 0; local < options.nproc_per_node; ++local) {
     ranks[local].global = options.node_rank * options.nproc_per_node + local;
     if (auto found = known.find(ranks[local].global); found != known.end()) {
+      restarts = std::min(restarts + std::max(found->second, 0), 1 << 20);
       ranks[local].incarnation = found->second + 1;
       say("rank " + std::to_string(ranks[local].global) + " is known to the job's store (as "
           "incarnation " + std::to_string(found->second) + "): this launcher replaces its "
@@ -317,8 +321,13 @@ AttemptResult run_attempt(const RunOptions& options, int attempt, int port,
     spawn(ranks[local], options, local, attempt, port, store.endpoint());
   }
 
+  if (restarts > 0) {
+    say("the job restarted this node's ranks " + std::to_string(restarts) + " time" +
+        (restarts == 1 ? "" : "s") + " before this launcher: " +
+        std::to_string(std::max(0, options.max_restarts - restarts)) + " of --max-restarts " +
+        std::to_string(options.max_restarts) + " left");
+  }
   AttemptResult result;
-  int restarts = 0; // of single ranks, with --restart rank
   // With --restart rank, once a rank has finished, the job is ending: a
   // rank that fails then is not restarted.
   bool finishing = false;
