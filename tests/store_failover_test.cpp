@@ -183,8 +183,10 @@ TEST_F(TwoAddresses, AStoreEmptiedWhereItStoodIsRefusedAsARollback) {
 TEST_F(TwoAddresses, AProcessThatNeverSaysHelloToTheStoreThatTookOverIsSilent) {
   serve(0);
   using detail::Liveness;
-  auto stays = std::make_unique<Liveness>(endpoint(), 5s, Liveness::Process{0, 0, "stays"}, 600ms);
-  auto lost = std::make_unique<Liveness>(endpoint(), 5s, Liveness::Process{1, 0, "lost"}, 600ms);
+  // A heartbeat timeout of 2 s: on a loaded machine, a beat late by less
+  // must not have the old store judge slot 1 silent on its own.
+  auto stays = std::make_unique<Liveness>(endpoint(), 5s, Liveness::Process{0, 0, "stays"}, 2s);
+  auto lost = std::make_unique<Liveness>(endpoint(), 5s, Liveness::Process{1, 0, "lost"}, 2s);
   auto deadline = std::chrono::steady_clock::now() + 5s;
   while (stays->incarnation_of(1) < 0 && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(10ms);
@@ -195,7 +197,7 @@ TEST_F(TwoAddresses, AProcessThatNeverSaysHelloToTheStoreThatTookOverIsSilent) {
   serve(1);
   std::this_thread::sleep_for(100ms);
   EXPECT_FALSE(stays->failed(1, 0).has_value()) << "not judged before its timeout";
-  deadline = std::chrono::steady_clock::now() + 5s;
+  deadline = std::chrono::steady_clock::now() + 15s;
   while (!stays->failed(1, 0) && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(10ms);
   }

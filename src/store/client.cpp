@@ -77,10 +77,11 @@ void StoreClient::connect(Clock::time_point deadline, bool retry) {
   // successor takes over a moment after its predecessor is gone.
   constexpr auto kOneTry = std::chrono::seconds(1);
   std::string causes;
-  bool unproven = false;
+  bool unproven = false; // a store with another secret answered
+  bool other = false;    // and one did not answer at all
   while (true) {
     causes.clear();
-    unproven = false;
+    unproven = other = false;
     for (size_t k = 0; k < candidates_.size(); ++k) {
       size_t candidate = k == 0 ? serving_ : (k <= serving_ ? k - 1 : k);
       try {
@@ -94,7 +95,7 @@ void StoreClient::connect(Clock::time_point deadline, bool retry) {
         // (A store with another secret too: another job's, at an address
         // of this job's list, is not this job's store.)
         causes += std::string(causes.empty() ? "" : "; ") + e.what();
-        unproven = unproven || dynamic_cast<const UnprovenError*>(&e) != nullptr;
+        (dynamic_cast<const UnprovenError*>(&e) != nullptr ? unproven : other) = true;
       }
     }
     // (`retry` or not: a successor is awaited until the deadline either
@@ -105,7 +106,7 @@ void StoreClient::connect(Clock::time_point deadline, bool retry) {
       interrupted = interrupted_;
     }
     if (interrupted || Clock::now() + std::chrono::milliseconds(100) >= deadline) {
-      if (unproven) {
+      if (unproven && !other) {
         throw UnprovenError("no store of the job answers (" + causes + ")");
       }
       throw StoreError("no store of the job answers (" + causes + ")");
@@ -174,7 +175,8 @@ std::string StoreClient::call(const std::string& request, std::chrono::milliseco
   if (fd_ < 0) {
     // Once: the store answered before, and one that refuses now is gone
     // (a successor, where the job has them, may have taken over).
-    connect(Clock::now() + timeout_, /*retry=*/false);
+    connect(Clock::now() + (candidates_.size() > 1 ? move_wait_.value_or(timeout_) : timeout_),
+            /*retry=*/false);
   }
   std::string body;
   try {

@@ -253,6 +253,7 @@ int connect_to(const Endpoint& endpoint, Clock::time_point deadline, std::string
       int status = ::getaddrinfo(endpoint.host.c_str(), port.c_str(), &hints, &found);
       if (status != 0 || found == nullptr) {
         error = std::string("cannot resolve ") + endpoint.host + ": " + ::gai_strerror(status);
+        errno = EHOSTUNREACH; // no answer from a host, never a refusal (presence())
       }
       for (addrinfo* candidate = found; candidate != nullptr; candidate = candidate->ai_next) {
         fd = ::socket(candidate->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);

@@ -77,6 +77,7 @@ LauncherStore::LauncherStore(const RunOptions& options, int port)
     }
     server_ = std::make_unique<store::StoreServer>(store::ServerOptions{listen, {}, secret_});
     server_->start();
+    serving_ = true;
     endpoint_ = endpoint.to_string();
   }
   if (::pipe2(wake_, O_CLOEXEC | O_NONBLOCK) != 0) {
@@ -149,7 +150,7 @@ void LauncherStore::watch() {
         if (auto epoch = watcher->get(ft + "epoch")) {
           latest_epoch_ = {ft + "epoch", *epoch};
         }
-        if (!loop_ended_ && watcher->get(ft + "finished")) {
+        if (!loop_ended_ && (watcher->get(ft + "finished") || watcher->get(kEndedKey))) {
           loop_ended_ = true;
         }
       }

@@ -35,6 +35,9 @@ namespace lockstep::run {
 /// (short, so that the launcher's end never waits on one).
 inline constexpr auto kStoreTimeout = std::chrono::seconds(10);
 inline constexpr auto kConnectTry = std::chrono::milliseconds(500);
+/// Set by the launcher that serves the store once its job succeeded: the
+/// others read it and take nothing over at the end.
+inline constexpr const char* kEndedKey = "lockstep/ended";
 /// The newest incarnation of each slot that a store which was gone had
 /// seen, as "slot incarnation" lines: written back by a launcher to the
 /// store that took over, whose liveness table knows only the processes
@@ -80,6 +83,11 @@ class LauncherStore {
   void begin_attempt(int attempt);
   /// A rank exited with 0: the loop of the job's attempt ended.
   void job_finished(int attempt);
+  /// A rank of this node exited with 0 (any --restart): a store gone from
+  /// now on is the job ending, and no launcher takes it over.
+  void rank_finished() {
+    loop_ended_ = true;
+  }
   /// What `incarnation` of `slot` recorded when it found the loop ended
   /// (detail::kLeft or detail::kCrashedAfterLoop, its proof checked);
   /// nullopt if nothing.
@@ -126,6 +134,7 @@ class LauncherStore {
   std::pair<std::string, std::string> latest_epoch_;
   std::atomic<int> attempt_{0};
   std::atomic<bool> loop_ended_{false}; // a rank exited with 0, here or anywhere
+  std::atomic<bool> serving_{false};    // server_ is set (main thread's view)
   std::mutex finished_mutex_;
   std::string finished_key_;
   std::string finished_value_;

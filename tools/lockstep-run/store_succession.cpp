@@ -79,7 +79,7 @@ void LauncherStore::take_over_if_gone() {
   if (!record_.empty()) {
     held[detail::kJobRecordKey] = record_;
   }
-  if (!latest_epoch_.first.empty()) {
+  if (latest_epoch_.first == prefix(attempt_) + "/ft/epoch") {
     held[latest_epoch_.first] = latest_epoch_.second;
   }
   try {
@@ -87,6 +87,7 @@ void LauncherStore::take_over_if_gone() {
         store::Endpoint::tcp("", candidates[mine].port), {}, secret_});
     server_->preload(std::move(held));
     server_->start();
+    serving_ = true;
   } catch (const std::exception& e) {
     std::cerr << "lockstep-run: cannot take over the job's store at "
               << candidates[mine].describe() << ": " << e.what() << std::endl;
@@ -100,18 +101,23 @@ void LauncherStore::take_over_if_gone() {
 }
 
 void LauncherStore::linger(std::chrono::seconds limit) {
-  if (!server_ || options_.store_successors.empty()) {
+  if (!serving_ || options_.store_successors.empty()) {
     return;
   }
   // The job's loop ended here, while the other nodes' ranks may still be
   // saying goodbye: a store that left before them would be taken over by
-  // a successor for nothing.
-  auto deadline = std::chrono::steady_clock::now() + limit;
+  // a successor for nothing. The others' watchers read that it ended (at
+  // least once a second), and it waits for the processes still alive.
+  auto now = std::chrono::steady_clock::now();
+  auto deadline = now + limit;
+  auto read_by_all = now + 2 * std::chrono::seconds(1);
   try {
     store::StoreClient client(store_endpoint(), kConnectTry);
+    client.set(kEndedKey, "1");
     while (std::chrono::steady_clock::now() < deadline) {
       auto slots = client.watch(0, 0, std::chrono::milliseconds(0), {}).slots;
-      if (std::none_of(slots.begin(), slots.end(), [](const store::SlotView& slot) {
+      if (std::chrono::steady_clock::now() >= read_by_all &&
+          std::none_of(slots.begin(), slots.end(), [](const store::SlotView& slot) {
             return slot.state == store::SlotState::Alive;
           })) {
         return;

@@ -398,6 +398,7 @@ AttemptResult run_attempt(const RunOptions& options, int attempt, int port,
       rank.running = false;
       --running;
       if (!failed(rank.status)) {
+        store.rank_finished(); // no store is taken over from here on
         if (options.restart_rank && !finishing) {
           finishing = true;
           store.job_finished(attempt);
