@@ -25,11 +25,7 @@ Liveness::Liveness(store::Endpoint endpoint, std::chrono::milliseconds store_tim
   calls_ = std::make_unique<store::StoreClient>(endpoint_, store_timeout_);
   beating_ = std::make_unique<store::StoreClient>(endpoint_, store_timeout_);
   serving_ = beating_->serving().to_string();
-  auto newer = beating_->hello(me_.slot, me_.incarnation,
-                               std::chrono::milliseconds(heartbeat_ms_.load()), me_.identity);
-  if (newer) {
-    replaced_by_ = *newer;
-  }
+  say_hello(*beating_);
   thread_ = std::thread([this] { run(); });
 }
 
@@ -67,12 +63,7 @@ bool Liveness::connect() {
   try {
     client = std::make_unique<store::StoreClient>(endpoint_, kConnectTry);
     client->set_timeout(store_timeout_);
-    auto newer = client->hello(me_.slot, me_.incarnation,
-                               std::chrono::milliseconds(heartbeat_ms_.load()), me_.identity);
-    if (newer) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      replaced_by_ = *newer;
-    }
+    say_hello(*client);
     note_serving(*client);
   } catch (const std::exception&) {
     return false;
@@ -99,11 +90,7 @@ void Liveness::run() {
       if (note_serving(*beating_)) {
         // The beat went to a store that took over (StoreClient asks the
         // successor again): this process says hello there.
-        auto newer = beating_->hello(me_.slot, me_.incarnation, timeout, me_.identity);
-        if (newer) {
-          std::lock_guard<std::mutex> lock(mutex_);
-          replaced_by_ = *newer;
-        }
+        say_hello(*beating_);
         continue;
       }
       apply(change);
@@ -118,6 +105,15 @@ void Liveness::run() {
         std::this_thread::sleep_for(kRetryPause);
       }
     }
+  }
+}
+
+void Liveness::say_hello(store::StoreClient& client) {
+  auto newer = client.hello(me_.slot, me_.incarnation,
+                            std::chrono::milliseconds(heartbeat_ms_.load()), me_.identity);
+  if (newer) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    replaced_by_ = *newer;
   }
 }
 

@@ -93,6 +93,9 @@ class Liveness {
   // Connects the beating connection and says hello; false if the store
   // does not answer within a short try.
   bool connect();
+  /// Says hello for this process on `client`'s connection, noting a newer
+  /// incarnation that holds its slot.
+  void say_hello(store::StoreClient& client);
   void apply(const store::ViewChange& change);
   /// Whether `client` reached another store than the one before (one took
   /// over): the view is then to be confirmed by the new store.

@@ -56,10 +56,10 @@ LauncherStore::LauncherStore(const RunOptions& options, int port)
     endpoint.successors.push_back(store::Endpoint::parse("tcp:" + address));
   }
   endpoint_ = endpoint.to_string();
-  if (options.node_rank == 0 && !one_host && served_by_a_successor()) {
-    // A fresh launcher for a node 0 that was lost: the job goes on at the
-    // store that took over, and this node's ranks rejoin it there.
-  } else if (options.node_rank == 0) {
+  // A fresh launcher for a node 0 that was lost serves nothing where a
+  // successor took the store over: the job goes on there, and this
+  // node's ranks rejoin it.
+  if (options.node_rank == 0 && (one_host || !served_by_a_successor())) {
     store::Endpoint listen = store::Endpoint::tcp("", port);
     if (one_host) {
       port_fd_ = hold_port(port);
