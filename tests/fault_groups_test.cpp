@@ -4,6 +4,8 @@
 // a dead rank drops out whole and comes back whole, and each committed
 // step equals one process on the whole batch.
 
+#include <algorithm>
+
 #include <gtest/gtest.h>
 
 #include <lockstep/lockstep.h>
@@ -24,7 +26,7 @@ struct GroupKillPlan {
   std::string name;
   int ranks;
   int group_size;
-  /// LOCKSTEP_TEST_INNER: "fsdp" or "ddp".
+  /// LOCKSTEP_TEST_INNER: "fsdp", "ddp", "zero", "zero2" or "syncbn".
   std::string inner;
   /// LOCKSTEP_TEST_KILLS of groups_float64.
   std::string kills;
@@ -74,7 +76,18 @@ TEST_P(FaultToleranceOverGroups, AGroupWithADeadRankDropsOutWholeAndRejoinsEqual
   EXPECT_GE(occurrences(result.output, "received the live state"),
             restarts - plan.killed_in_rejoin * plan.group_size)
       << result.output;
-  expect_committed_steps_match(out, plan.ranks, elastic_reference(kSteps));
+  if (plan.inner != "syncbn") {
+    expect_committed_steps_match(out, plan.ranks, elastic_reference(kSteps));
+    return;
+  }
+  // Each group normalises over its own rows: one process computes the same
+  // only grouped as each committed step was.
+  auto sizes = committed_world_sizes(out, plan.ranks, kSteps);
+  EXPECT_NE(std::count(sizes.begin(), sizes.end(), plan.ranks - plan.group_size), 0)
+      << "some steps trained without the lost group";
+  auto reference = grouped_norm_reference(sizes, plan.group_size);
+  expect_committed_steps_match(out, plan.ranks, reference);
+  expect_statistics_match(out, plan.ranks, reference);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -90,7 +103,22 @@ INSTANTIATE_TEST_SUITE_P(
         GroupKillPlan{"fsdp_3x2_during_rejoin", 6, 2, "fsdp", "1:0:20:begin,1:1:0:rejoin", 2,
                       1},
         // DDP inside groups of two, two groups.
-        GroupKillPlan{"ddp_2x2_step", 4, 2, "ddp", "3:0:30:step", 1}),
+        GroupKillPlan{"ddp_2x2_step", 4, 2, "ddp", "3:0:30:step", 1},
+        // ZeRO-1 inside groups: each rank's shard of the optimizer state
+        // lives on at its place in the other groups, and comes back from
+        // there.
+        GroupKillPlan{"zero_3x2_forward_then_reduction", 6, 2, "zero",
+                      "2:0:20:forward,5:0:60:commit", 2},
+        // ZeRO-2: the gradients' shards too; a step dropped by the others
+        // lets its shards go, and a rejoining rank killed again.
+        GroupKillPlan{"zero2_2x2_commit_then_rejoin", 4, 2, "zero2", "3:0:20:commit,3:1:0:rejoin",
+                      2, 1},
+        // SyncBatchNorm inside groups of two: it normalises over the group's
+        // batch, and at commit every group takes the first group's running
+        // statistics, so that the replicas stay one (and equal to one
+        // process, grouped as each step was).
+        GroupKillPlan{"syncbn_3x2_forward_then_rejoin", 6, 2, "syncbn",
+                      "2:0:20:forward,2:1:0:rejoin", 2, 1}),
     [](const ::testing::TestParamInfo<GroupKillPlan>& info) { return info.param.name; });
 
 // A group lost just before the end: the other group finishes the loop,
@@ -123,6 +151,51 @@ TEST(FaultToleranceOverGroupsErrors, GroupsCutFromAnotherWorldThanTheJobsAreRefu
     torch::optim::SGD optimizer(model->parameters(), 0.1);
     expect_error<UsageError>([&] { FaultTolerance(groups, *model, optimizer); },
                              {"takes groups cut from the job's world"});
+  });
+}
+
+// The step inside backward would step on the group's average alone, before
+// the groups' and before the step is known to commit: the first commit
+// refuses it, on every rank, with a plain optimizer or ZeRO.
+TEST(FaultToleranceOverGroupsErrors, AStepInsideBackwardIsRefusedAtTheFirstCommit) {
+  run_ranks(4, [](int) {
+    auto world = init();
+    auto groups = replica_groups(world, 2);
+    for (bool zero : {false, true}) {
+      Mlp model;
+      DDP<Mlp> ddp(model, groups.replica);
+      std::unique_ptr<torch::optim::Optimizer> optimizer;
+      if (zero) {
+        optimizer = std::make_unique<ZeroRedundancyOptimizer<torch::optim::SGD>>(
+            model->parameters(), groups.replica, torch::optim::SGDOptions(0.1));
+      } else {
+        optimizer = std::make_unique<torch::optim::SGD>(model->parameters(), 0.1);
+      }
+      ddp.step_in_backward(*optimizer);
+      FaultTolerance ft(groups, *model, *optimizer, FaultToleranceOptions().verbose(false));
+      ft.begin_step();
+      ddp(torch::randn({4, 20})).sum().backward();
+      expect_error<UsageError>([&] { ft.commit(); },
+                               {zero ? "the ZeroRedundancyOptimizer steps inside backward"
+                                     : "a step inside backward (ddp.step_in_backward) leaves no "
+                                       "gradient to average across the groups",
+                                "call optimizer.step() when ft.commit() returns true"});
+    }
+  });
+}
+
+// A ZeroRedundancyOptimizer is taken over replica groups only where it
+// shards over the group: a shard that spans groups would die with either.
+TEST(FaultToleranceOverGroupsErrors, AZeroRedundancyOptimizerOverAnotherWorldThanTheGroupIsRefused) {
+  run_ranks(4, [](int) {
+    auto world = init();
+    auto groups = replica_groups(world, 2);
+    Mlp model;
+    ZeroRedundancyOptimizer<torch::optim::SGD> whole(model->parameters(), world,
+                                                     torch::optim::SGDOptions(0.1));
+    expect_error<UsageError>([&] { FaultTolerance(groups, *model, whole); },
+                             {"takes a ZeroRedundancyOptimizer over the group's world",
+                              "this one's world has 4 ranks, the group 2"});
   });
 }
 

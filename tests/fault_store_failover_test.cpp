@@ -47,6 +47,12 @@ bool await_output(Process& process, const std::string& text, Clock::time_point d
   return process.output().find(text) != std::string::npos;
 }
 
+// Whether a rank that just received the live state commits steps with it
+// (the world that took it in has formed).
+bool trains_on(const std::string& path, Clock::time_point deadline) {
+  return await_lines(path, committed_lines(path) + 3, deadline);
+}
+
 struct FailoverJob {
   std::string name;
   std::string program;
@@ -95,6 +101,7 @@ TEST_P(FaultToleranceStoreFailover, EachNodeLostWholeInTurnTheOtherServesTheStor
   Process first1 = node(1, "");
   ASSERT_TRUE(await_output(first0, "[1] lockstep: rank 1: received the live state", deadline))
       << first0.output() << first1.output();
+  ASSERT_TRUE(trains_on(out / "rank-1.log", deadline)) << first0.output();
   ASSERT_TRUE(await_lines(out / "rank-3.log", 40, deadline)) << first1.output();
 
   first0.kill_group(SIGKILL); // the host is gone: its launcher, its store and its ranks
@@ -102,8 +109,14 @@ TEST_P(FaultToleranceStoreFailover, EachNodeLostWholeInTurnTheOtherServesTheStor
   int before = committed_lines(out / "rank-3.log");
   ASSERT_TRUE(await_lines(out / "rank-3.log", before + 20, deadline)) << first1.output();
   Process second0 = node(0, "");
-  ASSERT_TRUE(await_output(second0, "[0] lockstep: rank 0: received the live state", deadline))
-      << second0.output() << first1.output();
+  for (const char* received : {"[0] lockstep: rank 0: received the live state",
+                               "[1] lockstep: rank 1: received the live state"}) {
+    ASSERT_TRUE(await_output(second0, received, deadline)) << second0.output() << first1.output();
+  }
+  // Node 1 is lost only once the world that took node 0's ranks in has
+  // formed: a kill inside the transfer would lose the only ranks that held
+  // the state, and the job would end saying so.
+  ASSERT_TRUE(trains_on(out / "rank-0.log", deadline)) << second0.output();
 
   first1.kill_group(SIGKILL); // node 1 lost in turn, with the store it took over
   auto lost1 = first1.wait_until(deadline);

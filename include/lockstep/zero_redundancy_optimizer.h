@@ -163,6 +163,10 @@ class ShardedOptimizer : public torch::optim::Optimizer, public GradientShardOwn
   /// From DistributedDataParallel::step_in_backward: from now on the steps
   /// come through step_parameters, and step() is an error.
   void steps_in_backward();
+  /// Whether steps_in_backward was called.
+  bool stepping_in_backward() const {
+    return in_backward_;
+  }
   /// Collective: steps this rank's part of `params`, then every rank takes
   /// each of `params` from its owner.
   void step_parameters(const std::vector<at::Tensor>& params);
@@ -189,6 +193,19 @@ class ShardedOptimizer : public torch::optim::Optimizer, public GradientShardOwn
   /// Each synchronised backward must be followed by a step or by this.
   void discard_gradients();
 
+  /// The tensors the local optimizer steps: this rank's pieces, each its
+  /// parameter where whole, else a flat view of its elements.
+  const std::vector<at::Tensor>& shard() const {
+    return shard_;
+  }
+  /// Under shard_gradients (gradients_sharded()): the gradients this rank's
+  /// shard steps with, one flat view per piece of shard(), undefined where
+  /// no rank's loss reached the piece. lockstep::FaultTolerance over
+  /// replica groups averages them across the groups before the step.
+  std::vector<at::Tensor> shard_gradients() const;
+  /// Piece `i` of shard_gradients(), which had none, takes `flat` (its
+  /// gradient is then all the others' too).
+  void give_shard_gradient(size_t i, const at::Tensor& flat);
   /// Collective, from save_checkpoint: gathers on rank 0 what save() writes.
   void prepare_save();
   /// From save_checkpoint once the file is written: lets go of what

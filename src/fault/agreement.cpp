@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <iterator>
+#include <limits>
 #include <map>
 #include <set>
 #include <tuple>
@@ -55,7 +56,14 @@ Agreement::Agreement(Membership& membership, Liveness& liveness, AgreementOption
 
 std::optional<std::pair<int64_t, std::vector<Member>>> Agreement::next_epoch(
     const Member& me, Clock::time_point deadline) {
-  auto latest = membership_.latest();
+  // Where the store holds a latest epoch it must ignore (forged, or put
+  // back) and it has read none, it asks the members to come (for any later
+  // epoch): the first that reads the latest writes the genuine one back.
+  auto latest = membership_.latest([&] {
+    store_guarded("asked to join", [&] {
+      liveness_.note(kWantNote + std::to_string(std::numeric_limits<int64_t>::max()));
+    });
+  });
   int64_t target = latest.number + 1;
   membership_.arrive(target, me);
   const auto& expected = latest.members;

@@ -88,11 +88,23 @@ FaultTolerance::FaultTolerance(std::shared_ptr<detail::Guarded> guarded,
                    "FaultToleranceOptions::heartbeat_timeout must be positive.");
   LOCKSTEP_ENFORCE(options.step_timeout().count() > 0, ConfigError,
                    "FaultToleranceOptions::step_timeout must be positive.");
-  LOCKSTEP_ENFORCE(
-      dynamic_cast<detail::ShardedOptimizer*>(&optimizer) == nullptr, UsageError,
-      "lockstep::FaultTolerance cannot take a ZeroRedundancyOptimizer: each rank holds only "
-      "its shard of the optimizer's state, which dies with it. Give FaultTolerance a plain "
-      "torch::optim optimizer.");
+  if (auto* sharded = dynamic_cast<detail::ShardedOptimizer*>(&optimizer)) {
+    // Over replica groups, a shard lives on in the other groups' rank of
+    // the same place, which sends it to a group that rejoins.
+    LOCKSTEP_ENFORCE(groups != nullptr, UsageError,
+                     "lockstep::FaultTolerance cannot take a ZeroRedundancyOptimizer "
+                     "outside replica groups: each rank holds only its shard of the "
+                     "optimizer's state, which dies with it. Give FaultTolerance a plain "
+                     "torch::optim optimizer, or shard inside replica groups "
+                     "(FaultTolerance(replica_groups(world, k), ...), the "
+                     "ZeroRedundancyOptimizer over groups.replica).");
+    LOCKSTEP_ENFORCE(WorldAccess::same(sharded->world(), groups->replica), UsageError, "lockstep::FaultTolerance over replica groups takes a "
+                     "ZeroRedundancyOptimizer over the group's world (groups.replica), which "
+                     "a group loses and gets back whole; this one's world has ",
+                     sharded->world().size(), " ranks, the group ", groups->replica.size(),
+                     ".");
+    impl.sharded = sharded;
+  }
   LOCKSTEP_ENFORCE(
       !WorldAccess::across_hosts(impl.base) || WorldAccess::has_secret(impl.base) ||
           options.trusted_network(),
@@ -120,10 +132,10 @@ FaultTolerance::FaultTolerance(std::shared_ptr<detail::Guarded> guarded,
   impl.liveness = WorldAccess::liveness(impl.base, options.heartbeat_timeout());
   auto signer = detail::signer_of(impl.base);
   const auto& prefix = WorldAccess::key_prefix(impl.base);
-  impl.membership = std::make_unique<detail::Membership>(WorldAccess::store_client(impl.base),
-                                                         prefix, signer);
+  impl.membership = std::make_unique<detail::Membership>(
+      WorldAccess::store_client(impl.base), prefix, signer, options.timeout());
   impl.notices = std::make_unique<detail::Membership>(WorldAccess::store_client(impl.base),
-                                                      prefix, signer);
+                                                      prefix, signer, options.timeout());
   impl.watch = std::make_shared<detail::Watch>();
   if (impl.group) {
     // Who the group's ranks are, as its world formed (a restarted group's
@@ -257,7 +269,11 @@ bool FaultTolerance::Impl::commit(at::Tensor* sums) {
       !failure.empty() || impl.guarded->synchronisations() > impl.synchronisations_at_begin,
       UsageError, "commit() found no synchronised backward through the wrapper since "
       "begin_step(): the step's gradients were not averaged, so there is nothing to commit. "
-      "Run the loss's backward() between begin_step() and commit(), outside no_sync().");
+      "Run the loss's backward() between begin_step() and commit(), outside no_sync().",
+      impl.group ? " Over replica groups, a step inside backward (ddp.step_in_backward) "
+                   "leaves no gradient to average across the groups: it cannot be used there; "
+                   "call optimizer.step() when ft.commit() returns true."
+                 : "");
   if (!impl.watch) {
     ++impl.committed; // a job of one process
     return true;
@@ -335,6 +351,7 @@ bool FaultTolerance::Impl::commit(at::Tensor* sums) {
     return true;
   }
   impl.need_reform = true;
+  impl.guarded->drop_step();
   impl.progress(Phase::Dropped);
   ++impl.stats.aborted_steps;
   impl.say(detail::str("step ", impl.committed, " is dropped on every rank: ", failure));

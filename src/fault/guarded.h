@@ -46,6 +46,9 @@ class Guarded {
   /// Runs what the step synchronises at commit, if anything (collective
   /// in world()); returns why it failed, or "".
   virtual std::string finish_step() { return ""; }
+  /// The step was dropped on every rank: what it synchronised is let go
+  /// of without a step.
+  virtual void drop_step() {}
   /// Carries on in `world` (collectively with its other ranks).
   virtual void adopt_world(World world) = 0;
   /// What makes a replica, which a joining rank receives; or only what a
@@ -56,9 +59,10 @@ class Guarded {
 /// DistributedDataParallel's reducer, as FaultTolerance guards it.
 std::shared_ptr<Guarded> guard(std::shared_ptr<Reducer> reducer);
 /// Replica groups as the unit of failure (group_reduction.cpp): at commit,
-/// the gradients of what `optimizer` steps are averaged with the ranks of
-/// the same place in the other groups (`across`); a joining rank receives
-/// those parameters and `module`'s buffers.
+/// the gradients of what `optimizer` steps (a ZeroRedundancyOptimizer: its
+/// shard) are averaged with the ranks of the same place in the other
+/// groups (`across`), and `module`'s buffers become the first group's; a
+/// joining rank receives the parameters and `module`'s buffers.
 std::shared_ptr<Guarded> guard_across_groups(World across, torch::nn::Module& module,
                                              torch::optim::Optimizer& optimizer);
 

@@ -27,6 +27,8 @@ namespace lockstep {
 
 namespace detail {
 
+class ShardedOptimizer;
+
 /// The note that tells every watcher at once that an epoch was given up
 /// ("ft abandon <epoch>"; the reason, signed, is in the store).
 constexpr const char* kAbandonNote = "ft abandon ";
@@ -72,6 +74,11 @@ struct FaultTolerance::Impl {
   using Clock = std::chrono::steady_clock;
   std::shared_ptr<detail::Guarded> guarded;
   torch::optim::Optimizer& optimizer;
+  /// `optimizer`, where it is a ZeroRedundancyOptimizer (over replica
+  /// groups): a joining rank receives its local optimizer's state (the
+  /// place's shard), asked for at each transfer (loading a checkpoint
+  /// replaces it).
+  detail::ShardedOptimizer* sharded = nullptr;
   FaultToleranceOptions options;
   World base;  // init()'s: the job's store
   World world; // the current epoch's
@@ -197,9 +204,12 @@ struct FaultTolerance::Impl {
   /// it to those behind it, who check it against its announcement.
   void bring_up_to_date(World& next, const std::vector<detail::Member>& ranked,
                         const std::vector<detail::Member>& decided, int64_t target);
-  /// Until `sender` has announced what it sent in `target`; raises where
-  /// the epoch is given up meanwhile.
-  void await_state(int64_t target, const detail::Member& sender, const std::string& what);
+  /// What `sender` announced it sent in `target` (Membership::state_claim);
+  /// CollectiveError where the epoch is given up meanwhile, the store moved
+  /// since `moves` (StoreClient::moves), or `deadline` passes.
+  std::string await_announcement(int64_t target, const detail::Member& sender,
+                                 const std::string& what, int moves,
+                                 std::optional<Clock::time_point> deadline);
   /// The world that carries the live state now (none: nullopt), given up
   /// at once where the epoch already is.
   void set_transfer(std::optional<World> carrier);

@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <iostream>
 #include <sstream>
+#include <thread>
 
 #include <lockstep/error.h>
 
@@ -108,8 +109,11 @@ std::string epoch_key(int64_t epoch, const std::string& key) {
 }
 
 Membership::Membership(std::unique_ptr<store::StoreClient> client, const std::string& prefix,
-                       Signer signer)
-    : client_(std::move(client)), prefix_(prefix + "/ft/"), signer_(std::move(signer)) {}
+                       Signer signer, std::chrono::milliseconds patience)
+    : client_(std::move(client)),
+      prefix_(prefix + "/ft/"),
+      signer_(std::move(signer)),
+      patience_(patience) {}
 
 Membership::~Membership() = default;
 
@@ -134,29 +138,28 @@ std::optional<std::string> Membership::proven_body(const std::string& what,
   return body;
 }
 
-std::string Membership::open(const std::string& what, const std::string& key,
-                             const std::string& value) const {
-  auto at = value.rfind(kProof);
-  std::string body = at == std::string::npos ? value : value.substr(0, at);
-  std::string proof = at == std::string::npos ? "" : value.substr(at + std::string(kProof).size());
-  LOCKSTEP_ENFORCE(
-      signer_.proven(claim(what, body), proof), FaultToleranceError, "the job's store holds ",
-      key, " without a valid proof of the job secret: a process without the secret wrote it. "
-      "This rank refuses to act on it and ends; keep the store's port closed to others "
-      "(docs/world.md#security).");
-  return body;
+void Membership::note_ignored(const std::string& key, const std::string& value,
+                              const std::string& why) {
+  if (value != ignored_) {
+    ignored_ = value;
+    std::cerr << "lockstep WARNING: the job's store holds " << key << " " << why
+              << "; it is ignored." << std::endl;
+  }
 }
 
-Epoch Membership::parse_epoch(const std::string& value) const {
+std::optional<Epoch> Membership::parse_epoch(const std::string& value) const {
+  auto body = proven_body("epoch", value);
+  if (!body) {
+    return std::nullopt;
+  }
   Epoch epoch;
-  auto body = open("epoch", "the latest epoch", value);
-  auto newline = body.find('\n');
-  std::istringstream head(body.substr(0, newline));
+  auto newline = body->find('\n');
+  std::istringstream head(body->substr(0, newline));
   LOCKSTEP_ENFORCE(static_cast<bool>(head >> epoch.number >> epoch.lineage) && epoch.number >= 0,
                    FaultToleranceError, "the job's store holds a latest epoch that does not "
-                   "read as one (\"", first_line(body), "\"): this rank refuses to act on it "
+                   "read as one (\"", first_line(*body), "\"): this rank refuses to act on it "
                    "and ends.");
-  epoch.members = parse_members(newline == std::string::npos ? "" : body.substr(newline + 1));
+  epoch.members = parse_members(newline == std::string::npos ? "" : body->substr(newline + 1));
   epoch.stored = value;
   return epoch;
 }
@@ -170,8 +173,8 @@ std::optional<std::string> Membership::write_back(std::optional<std::string> val
   for (int attempt = 0; attempt < 8; ++attempt) {
     if (value) {
       auto there = parse_epoch(*value);
-      if (there.number > highest_epoch_ ||
-          (there.number == highest_epoch_ && there.lineage >= highest_lineage_)) {
+      if (there && (there->number > highest_epoch_ ||
+                    (there->number == highest_epoch_ && there->lineage >= highest_lineage_))) {
         return value;
       }
     }
@@ -187,41 +190,76 @@ std::optional<std::string> Membership::write_back(std::optional<std::string> val
   return value;
 }
 
-Epoch Membership::latest() {
-  auto value = store_guarded("read the latest epoch", [&] {
-    auto read = client_->get(prefix_ + "epoch");
-    if (client_->moves() != moves_seen_ && !held_.empty()) {
-      read = write_back(read);
+Epoch Membership::latest(const std::function<void()>& waiting) {
+  constexpr auto kRetry = std::chrono::milliseconds(100);
+  const auto give_up_at = std::chrono::steady_clock::now() + patience_;
+  for (int retry = 0;; ++retry) {
+    auto value = store_guarded("read the latest epoch", [&] {
+      auto read = client_->get(prefix_ + "epoch");
+      if (client_->moves() != moves_seen_ && !held_.empty()) {
+        read = write_back(read);
+      }
+      moves_seen_ = client_->moves();
+      return read;
+    });
+    if (!value) {
+      LOCKSTEP_ENFORCE(highest_epoch_ < 0, FaultToleranceError, "the job's latest epoch went "
+                       "back from ", highest_epoch_, " to none: the job's store was restarted "
+                       "where it stood, or emptied. This rank refuses to act on it and ends.");
+      return Epoch{};
     }
-    moves_seen_ = client_->moves();
-    return read;
-  });
-  if (!value) {
-    LOCKSTEP_ENFORCE(highest_epoch_ < 0, FaultToleranceError, "the job's latest epoch went "
-                     "back from ", highest_epoch_, " to none: the job's store was restarted "
-                     "where it stood, or emptied. This rank refuses to act on it and ends.");
-    return Epoch{};
+    auto epoch = parse_epoch(*value);
+    std::string wrong;
+    if (!epoch) {
+      wrong = "without a valid proof of the job secret (a process without the secret wrote it)";
+    } else if (epoch->number < highest_epoch_ ||
+               (epoch->number == highest_epoch_ && epoch->lineage < highest_lineage_)) {
+      wrong = str("older than the one this rank read (epoch ", epoch->number, ", lineage ",
+                  epoch->lineage, " after epoch ", highest_epoch_, ", lineage ",
+                  highest_lineage_, "): an old value put back");
+    }
+    if (wrong.empty()) {
+      LOCKSTEP_ENFORCE(epoch->lineage >= highest_lineage_, FaultToleranceError, "the job's "
+                       "lineage went back from epoch ", highest_lineage_, " to ", epoch->lineage,
+                       " in a later epoch (", epoch->number, "): the epochs forked. This rank "
+                       "refuses to act on it and ends.");
+      // One decision per epoch: the same epoch and lineage with other
+      // members is a second decision (a store that took over, where a rank
+      // that held only an older epoch decided over it before the latest
+      // came back).
+      LOCKSTEP_ENFORCE(epoch->number != highest_epoch_ || epoch->lineage != highest_lineage_ ||
+                           epoch->stored == held_,
+                       FaultToleranceError, "the job's store holds another decision for epoch ",
+                       epoch->number, " than the one this rank acted on: the epochs forked "
+                       "(after the store moved?). This rank refuses to act on it and ends.");
+      highest_epoch_ = epoch->number;
+      highest_lineage_ = epoch->lineage;
+      held_ = epoch->stored;
+      return *epoch;
+    }
+    note_ignored("a latest epoch", *value, wrong);
+    LOCKSTEP_ENFORCE(std::chrono::steady_clock::now() < give_up_at, FaultToleranceError,
+                     "the job's store has held a latest epoch ", wrong, " for ",
+                     seconds(patience_),
+                     held_.empty() ? ", and no member wrote the genuine one back: this rank, "
+                                     "which has read none, cannot tell who trains, and ends."
+                                   : ", though this rank wrote back the latest it read: "
+                                     "something writes over it; this rank ends.");
+    if (!held_.empty()) {
+      // What this rank read, signed by its decider, goes back over it.
+      auto stored = store_guarded("wrote the latest epoch back", [&] {
+        return client_->compare_set(prefix_ + "epoch", *value, held_);
+      });
+      if (stored != held_) {
+        std::this_thread::sleep_for(kRetry); // another wrote meanwhile: read it
+      }
+      continue;
+    }
+    if (waiting && retry % 10 == 0) {
+      waiting(); // once a second
+    }
+    std::this_thread::sleep_for(kRetry);
   }
-  Epoch epoch = parse_epoch(*value);
-  LOCKSTEP_ENFORCE(epoch.number >= highest_epoch_, FaultToleranceError, "the job's latest "
-                   "epoch went back from ", highest_epoch_, " to ", epoch.number, ": an old value "
-                   "was put back in the job's store. This rank refuses to act on it and ends.");
-  LOCKSTEP_ENFORCE(epoch.lineage >= highest_lineage_, FaultToleranceError, "the job's lineage "
-                   "went back from epoch ", highest_lineage_, " to ", epoch.lineage, ": an old "
-                   "value was put back in the job's store. This rank refuses to act on it and "
-                   "ends.");
-  // One decision per epoch: the same epoch and lineage with other members
-  // is a second decision (a store that took over, where a rank that held
-  // only an older epoch decided over it before the latest came back).
-  LOCKSTEP_ENFORCE(epoch.number != highest_epoch_ || epoch.lineage != highest_lineage_ ||
-                       epoch.stored == held_,
-                   FaultToleranceError, "the job's store holds another decision for epoch ",
-                   epoch.number, " than the one this rank acted on: the epochs forked (after "
-                   "the store moved?). This rank refuses to act on it and ends.");
-  highest_epoch_ = epoch.number;
-  highest_lineage_ = epoch.lineage;
-  held_ = epoch.stored;
-  return epoch;
 }
 
 std::string Membership::epoch_value(int64_t number, int64_t lineage,
@@ -251,11 +289,19 @@ std::optional<std::vector<Member>> Membership::await_members(int64_t epoch,
   if (!value) {
     return std::nullopt;
   }
-  auto body = open("epoch", "epoch " + std::to_string(epoch) + "'s members", *value);
-  auto newline = body.find('\n');
-  LOCKSTEP_ENFORCE(std::stoll(body.substr(0, newline)) == epoch, FaultToleranceError,
+  auto body = proven_body("epoch", *value);
+  if (!body) {
+    // The decider's own set comes after its compare-and-set: wait for it.
+    note_ignored("epoch " + std::to_string(epoch) + "'s members", *value,
+                 "without a valid proof of the job secret (a process without the secret "
+                 "wrote it)");
+    std::this_thread::sleep_for(std::min(wait, std::chrono::milliseconds(100)));
+    return std::nullopt;
+  }
+  auto newline = body->find('\n');
+  LOCKSTEP_ENFORCE(std::stoll(body->substr(0, newline)) == epoch, FaultToleranceError,
                    "the job's store holds another epoch's members under ", key, ".");
-  return parse_members(newline == std::string::npos ? "" : body.substr(newline + 1));
+  return parse_members(newline == std::string::npos ? "" : body->substr(newline + 1));
 }
 
 void Membership::arrive(int64_t epoch, const Member& me) {
@@ -372,30 +418,38 @@ std::vector<int64_t> Membership::retire_through(int64_t epoch) {
   return retired;
 }
 
+std::string Membership::state_claim(int source, int64_t step, const std::string& digest) {
+  return str(source, " ", step, " ", digest);
+}
+
 void Membership::announce_state(int64_t epoch, int source, int64_t step,
                                 const std::string& digest) {
   store_guarded("announced the live state", [&] {
     client_->set(prefix_ + epoch_key(epoch, str("state/", source)),
-                 sign(str("state|", epoch), str(source, " ", step, " ", digest)));
+                 sign(str("state|", epoch), state_claim(source, step, digest)));
     return 0;
   });
 }
 
-bool Membership::state_announced(int64_t epoch, int source, std::chrono::milliseconds wait) {
-  return store_guarded("waited for the live state to be sent", [&] {
-           return client_->wait_get(prefix_ + epoch_key(epoch, str("state/", source)), wait);
-         }).has_value();
-}
-
-bool Membership::state_matches(int64_t epoch, int source, int64_t step,
-                               const std::string& digest, std::chrono::milliseconds wait) {
-  auto value = store_guarded("checked the live state", [&] {
+std::optional<std::string> Membership::announced_state(int64_t epoch, int source,
+                                                       std::chrono::milliseconds wait) {
+  auto value = store_guarded("waited for the live state's announcement", [&] {
     return client_->wait_get(prefix_ + epoch_key(epoch, str("state/", source)), wait);
   });
   if (!value) {
-    return false;
+    return std::nullopt;
   }
-  return proven_body(str("state|", epoch), *value) == str(source, " ", step, " ", digest);
+  auto body = proven_body(str("state|", epoch), *value);
+  if (!body) {
+    note_ignored("an announcement of the live state of epoch " + std::to_string(epoch), *value,
+                 "without a valid proof of the job secret (a process without the secret "
+                 "wrote it)");
+  }
+  return body;
+}
+
+int Membership::store_moves() const {
+  return client_->moves();
 }
 
 bool Membership::mark_formed(int64_t epoch) {
@@ -424,7 +478,16 @@ int64_t Membership::lineage() {
 bool Membership::finished() {
   auto value = store_guarded("read whether the job ended",
                              [&] { return client_->get(prefix_ + "finished"); });
-  return value && open("finished", "the job's end", *value) == kFinished;
+  if (!value) {
+    return false;
+  }
+  auto body = proven_body("finished", *value);
+  if (!body) {
+    note_ignored("the job's end", *value,
+                 "without a valid proof of the job secret (a process without the secret "
+                 "wrote it)");
+  }
+  return body == std::optional<std::string>(kFinished);
 }
 
 void Membership::left(int replica, int incarnation, const char* why) {

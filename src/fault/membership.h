@@ -117,12 +117,23 @@ struct Epoch {
 /// that does not answer raises FaultToleranceError ("lost the job's store").
 class Membership {
  public:
-  /// `prefix`: the job's key prefix (JobStore::key_prefix).
+  /// `prefix`: the job's key prefix (JobStore::key_prefix). `patience`:
+  /// how long a rank that has read no epoch yet waits for a genuine latest
+  /// one where the store holds one without a valid proof (a member that
+  /// reads it writes the genuine one back).
   Membership(std::unique_ptr<store::StoreClient> client, const std::string& prefix,
-             Signer signer);
+             Signer signer, std::chrono::milliseconds patience = std::chrono::seconds(60));
   ~Membership();
 
-  Epoch latest();
+  /// The latest epoch. One without a valid proof, or older than one this
+  /// rank read (an old signed value put back), is ignored and logged: this
+  /// rank writes back the latest it read over it, or, having read none,
+  /// waits `patience` for a member to, calling `waiting` once a second
+  /// meanwhile (to ask the members to come: in steady state they read
+  /// nothing). A second decision for an epoch it acted on, or a lineage
+  /// that went back in a later epoch (the epochs forked), or none where it
+  /// read one, raises FaultToleranceError.
+  Epoch latest(const std::function<void()>& waiting = nullptr);
   /// Proposes `members` for the epoch after `after` (the latest read);
   /// returns the latest after the attempt: this proposal, another one for
   /// the same epoch, or a later epoch.
@@ -151,13 +162,17 @@ class Membership {
 
   /// The sender of the live state in `epoch` says what it sent.
   void announce_state(int64_t epoch, int source, int64_t step, const std::string& digest);
-  /// Whether the sender of the live state in `epoch` has announced what it
-  /// sent (awaited at most `wait`; its proof is its receivers' to check).
-  bool state_announced(int64_t epoch, int source, std::chrono::milliseconds wait);
-  /// Whether the sender's announcement for `epoch` (awaited at most
-  /// `wait`) matches what was received.
-  bool state_matches(int64_t epoch, int source, int64_t step, const std::string& digest,
-                     std::chrono::milliseconds wait);
+  /// What the sender of the live state in `epoch` announced it sent
+  /// (state_claim), once it has, awaited at most `wait`; nullopt until then.
+  /// A value without a valid proof is ignored (logged once per epoch): the
+  /// sender's own overwrites it.
+  std::optional<std::string> announced_state(int64_t epoch, int source,
+                                             std::chrono::milliseconds wait);
+  /// What a sender announces: its launcher rank, the step, the digest.
+  static std::string state_claim(int source, int64_t step, const std::string& digest);
+  /// How often the job's store has moved under this connection
+  /// (StoreClient::moves): what was written to an earlier store may be gone.
+  int store_moves() const;
 
   /// Marks `epoch` formed: its world formed and every member holds the
   /// live state. Returns false when a later epoch was decided meanwhile
@@ -177,9 +192,6 @@ class Membership {
   /// The claim a signed value proves ("<prefix><what>|<body>": bound to
   /// the job's attempt by its key prefix), and the value.
   std::string sign(const std::string& what, const std::string& body) const;
-  /// The body of a signed value, or FaultToleranceError naming `key`.
-  std::string open(const std::string& what, const std::string& key,
-                   const std::string& value) const;
 
  private:
   std::string claim(const std::string& what, const std::string& body) const;
@@ -191,8 +203,10 @@ class Membership {
   std::string prefix_; // "<job prefix>/ft/"
   Signer signer_;
   std::string epoch_value(int64_t number, int64_t lineage, const std::vector<Member>& members) const;
-  /// A stored latest epoch, its proof checked.
-  Epoch parse_epoch(const std::string& value) const;
+  /// A stored latest epoch; nullopt for one without a valid proof.
+  std::optional<Epoch> parse_epoch(const std::string& value) const;
+  /// Logs, once per value, that `value` of `key` is ignored, and why.
+  void note_ignored(const std::string& key, const std::string& value, const std::string& why);
   /// After the store moved (StoreClient::moves): `held_` written over an
   /// older latest epoch, or none; returns the latest after.
   std::optional<std::string> write_back(std::optional<std::string> value);
@@ -204,6 +218,9 @@ class Membership {
   // The stored value of the highest read, and the client's moves then.
   std::string held_;
   int moves_seen_ = 0;
+  std::chrono::milliseconds patience_;
+  // The last value logged as ignored.
+  std::string ignored_;
 };
 
 /// Leaves a job whose loop has ended (Membership::finished), as

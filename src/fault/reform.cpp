@@ -16,10 +16,13 @@
 #include <torch/serialize/output-archive.h>
 #include <torch/utils.h>
 
+#include <lockstep/zero_redundancy_optimizer.h>
+
 #include "common/splitmix.h"
 #include "common/wording.h"
 #include "fault/loop_state.h"
 #include "fault/state_stream.h"
+#include "optim/optimizer_bytes.h"
 #include "world/epoch_world.h"
 #include "compat/c10d.h"
 
@@ -230,6 +233,9 @@ void FaultTolerance::Impl::bring_up_to_date(World& next, const std::vector<Membe
   int source = detail::live_state_source(ranked);
   TORCH_INTERNAL_ASSERT(source >= 0, "a world is decided only with a rank that holds state");
   const auto sender = ranked[static_cast<size_t>(source)];
+  // Before anything is sent: what the sender announces after its stream
+  // goes to the store that serves now.
+  const int moves = membership->store_moves();
   // The state travels from the sender to the ranks behind it and to no
   // other: in a world of their own where some of the epoch's are up to
   // date (their order is next's).
@@ -254,7 +260,12 @@ void FaultTolerance::Impl::bring_up_to_date(World& next, const std::vector<Membe
   std::string what = detail::str("the live state of rank ", sender.replica, " at step ",
                                  sender.step);
   if (my_part < 0) {
-    await_state(target, sender, what);
+    // Up to date, this rank waits (in the store, as every re-forming does)
+    // until the sender has sent: the epoch's first collective would
+    // otherwise wait for the ranks in the transfer, and take them for hung
+    // after FaultToleranceOptions::step_timeout.
+    // (However long the transfer takes: no deadline of its own.)
+    await_announcement(target, sender, what, moves, std::nullopt);
     return;
   }
   bool behind = my_part != root;
@@ -272,7 +283,21 @@ void FaultTolerance::Impl::bring_up_to_date(World& next, const std::vector<Membe
   try {
     detail::StateStream stream(carrier, root, options.state_piece_bytes(), what);
     detail::stream_tensors(stream, guarded->replica_tensors(/*buffers_only=*/false));
-    detail::stream_optimizer(stream, optimizer);
+    if (sharded != nullptr) {
+      // The shard's state, and the options a scheduler set on the whole
+      // optimizer (step() gives them to the shard's).
+      detail::stream_optimizer(stream, sharded->local_optimizer());
+      detail::stream_archive(
+          stream,
+          [&](torch::serialize::OutputArchive& archive) {
+            detail::save_group_options(optimizer, archive);
+          },
+          [&](torch::serialize::InputArchive& archive) {
+            detail::load_group_options(optimizer, archive);
+          });
+    } else {
+      detail::stream_optimizer(stream, optimizer);
+    }
     // The program's own state is loaded only once all of it is checked.
     detail::stream_archive(
         stream,
@@ -300,10 +325,11 @@ void FaultTolerance::Impl::bring_up_to_date(World& next, const std::vector<Membe
   // Its model and optimizer already hold what arrived: a rank that cannot
   // check it ends here, and trains on none of it.
   LOCKSTEP_ENFORCE(
-      membership->state_matches(target, sender.replica, sender.step, digest, options.timeout()),
+      await_announcement(target, sender, what, moves, Clock::now() + options.timeout()) ==
+          detail::Membership::state_claim(sender.replica, sender.step, digest),
       FaultToleranceError, "rank ", me.replica, ": ", what, " does not match what its "
-      "sender announced in the job's store (a process without the job secret, or a "
-      "corrupted transfer): this rank refuses to train on it and ends.");
+      "sender announced in the job's store (a corrupted transfer): this rank refuses to "
+      "train on it and ends.");
   for (const auto& state : user_states) {
     torch::serialize::InputArchive part;
     LOCKSTEP_ENFORCE(program_state->try_read(state.name, part), FaultToleranceError, "rank ",
@@ -322,18 +348,33 @@ void FaultTolerance::Impl::bring_up_to_date(World& next, const std::vector<Membe
   holds_state = true;
 }
 
-void FaultTolerance::Impl::await_state(int64_t target, const Member& sender,
-                                       const std::string& what) {
-  // Up to date, this rank waits (in the store, as every re-forming does)
-  // until the sender has sent: the epoch's first collective would
-  // otherwise wait for the ranks in the transfer, and take them for hung
-  // after FaultToleranceOptions::step_timeout.
-  while (!membership->state_announced(target, sender.replica, std::chrono::milliseconds(200))) {
-    auto why = verdict();
+std::string FaultTolerance::Impl::await_announcement(
+    int64_t target, const Member& sender, const std::string& what, int moves,
+    std::optional<Clock::time_point> deadline) {
+  // In slices: an announcement that will never come must not hold this rank
+  // past the moment its group's other ranks give the epoch up. It never
+  // comes where the epoch was given up (its sender failed: the watch's
+  // verdict), or where the store moved after the transfer began (what the
+  // sender announced to the old one went with it).
+  constexpr auto kSlice = std::chrono::milliseconds(200);
+  while (true) {
+    const auto slice_end = Clock::now() + kSlice;
+    if (auto claim = membership->announced_state(target, sender.replica, kSlice)) {
+      return *claim;
+    }
+    std::string why = verdict();
+    if (why.empty() && membership->store_moves() != moves) {
+      why = "the job's store moved, and what the sender announced to the old one went with it";
+    }
+    if (why.empty() && deadline && Clock::now() >= *deadline) {
+      why = detail::str("its sender announced nothing within FaultToleranceOptions::timeout (",
+                        detail::seconds(options.timeout()), ") of the stream's end");
+    }
     if (!why.empty()) {
       LOCKSTEP_FAIL(CollectiveError, "epoch ", target, " was given up while ", what,
                     " travelled: ", why);
     }
+    std::this_thread::sleep_until(slice_end); // a value ignored comes back at once
   }
 }
 

@@ -24,12 +24,15 @@ void Reducer::tolerate_failures() {
       !state.communicates_in_forward, UsageError, "lockstep::FaultTolerance cannot take a "
       "model with SyncBatchNorm: its statistics are reduced in forward, in the world the "
       "module was converted with, which a failure replaces. Use BatchNorm (each rank's "
-      "statistics, broadcast with the buffers) under fault tolerance.");
+      "statistics, broadcast with the buffers) under fault tolerance, or SyncBatchNorm "
+      "inside replica groups (FaultTolerance(replica_groups(world, k), ...), the DDP over "
+      "groups.replica): a group fails and returns whole.");
   LOCKSTEP_ENFORCE(
       !state.options.shard_gradients(), UsageError, "lockstep::FaultTolerance cannot take "
       "DdpOptions::shard_gradients: a failed rank takes its shard of the gradients and of "
-      "the optimizer's state with it. Use ZeRO-1 (shard_gradients off) under fault "
-      "tolerance.");
+      "the optimizer's state with it. Shard inside replica groups instead "
+      "(FaultTolerance(replica_groups(world, k), ...), the DDP and the "
+      "ZeroRedundancyOptimizer over groups.replica): the other groups hold each shard.");
   state.tolerating = true;
 }
 

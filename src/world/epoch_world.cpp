@@ -78,6 +78,10 @@ std::unique_ptr<store::StoreClient> WorldAccess::store_client(const World& world
   return world.impl_->job_store->client();
 }
 
+bool WorldAccess::same(const World& a, const World& b) {
+  return a.impl_ == b.impl_;
+}
+
 const std::string& WorldAccess::key_prefix(const World& world) {
   return world.impl_->job_store->key_prefix();
 }

@@ -56,6 +56,8 @@ struct WorldAccess {
   /// of the job's keys there.
   static std::unique_ptr<store::StoreClient> store_client(const World& world);
   static const std::string& key_prefix(const World& world);
+  /// Whether `a` and `b` are one world (copies of the same World).
+  static bool same(const World& a, const World& b);
   /// Deletes what the world formed under `scope` left in the job's store
   /// and beside it (JobStore::retire).
   static void retire(const World& world, const std::string& scope);

@@ -1,11 +1,15 @@
 // The float64 MLP of elastic_float64, trained by replica groups under
 // lockstep::FaultTolerance (torchft's FT-HSDP): FSDP inside each group
-// (DDP with LOCKSTEP_TEST_INNER=ddp) of LOCKSTEP_TEST_GROUP_SIZE ranks (2 by
+// (LOCKSTEP_TEST_INNER=ddp: DDP; zero: DDP and a ZeroRedundancyOptimizer
+// over the group; zero2: the same, the gradients sharded too; syncbn: DDP
+// of the MLP with a SyncBatchNorm, which normalises over the group) of
+// LOCKSTEP_TEST_GROUP_SIZE ranks (2 by
 // default), fault-tolerant across the groups, for the test that compares
 // each committed step with one process (tests/fault_groups_test.cpp):
 //   groups_float64 STEPS OUT_DIR [PAUSE_MS]
 // It logs as elastic_float64 does (OUT_DIR/rank-R.log, parameters.bin,
-// pid-R). LOCKSTEP_TEST_KILLS (support/kill_plan.h) kills a rank, at the
+// pid-R; with syncbn, each rank's running statistics at the end in
+// statistics-R.bin). LOCKSTEP_TEST_KILLS (support/kill_plan.h) kills a rank, at the
 // first step from STEP on that every group trains, in PHASE: begin, forward,
 // commit (before commit: the others wait in the reduction across groups)
 // or step (after commit); or, whatever the step, rejoin (while it receives
@@ -28,6 +32,7 @@
 
 #include "support/kill_plan.h"
 #include "support/models.h"
+#include "support/normed_mlp.h"
 
 namespace {
 
@@ -47,7 +52,10 @@ int train(int argc, char** argv) {
   const int world_size = env_int("WORLD_SIZE", 1);
   const int group_size = env_int("LOCKSTEP_TEST_GROUP_SIZE", 2);
   const char* inner = std::getenv("LOCKSTEP_TEST_INNER");
-  const bool use_ddp = inner != nullptr && std::string(inner) == "ddp";
+  const std::string inside = inner != nullptr ? inner : "fsdp";
+  const bool zero = inside == "zero" || inside == "zero2";
+  const bool normed = inside == "syncbn";
+  const bool use_ddp = inside == "ddp" || zero || normed;
   auto kills = lockstep::testing::planned_kills();
   int64_t now_step = 0;
   bool whole = false;
@@ -65,21 +73,50 @@ int train(int argc, char** argv) {
   auto world = lockstep::init();
   auto groups = lockstep::replica_groups(world, group_size);
   torch::manual_seed(7);
-  lockstep::testing::Mlp model;
-  model->to(torch::kDouble);
+  lockstep::testing::Mlp model{nullptr};
+  lockstep::testing::NormedMlp normed_model{nullptr};
+  if (normed) {
+    normed_model = lockstep::testing::NormedMlp();
+    normed_model->to(torch::kDouble);
+  } else {
+    model = lockstep::testing::Mlp();
+    model->to(torch::kDouble);
+  }
+  torch::nn::Module& trained = normed ? *normed_model : static_cast<torch::nn::Module&>(*model);
   std::unique_ptr<lockstep::DDP<lockstep::testing::Mlp>> ddp;
+  std::unique_ptr<lockstep::DDP<lockstep::testing::NormedMlp>> normed_ddp;
   std::unique_ptr<lockstep::FullyShardedDataParallel<lockstep::testing::Mlp>> fsdp;
   std::vector<torch::Tensor> stepped;
-  if (use_ddp) {
-    ddp = std::make_unique<lockstep::DDP<lockstep::testing::Mlp>>(model, groups.replica);
+  if (normed) {
+    normed_ddp =
+        std::make_unique<lockstep::DDP<lockstep::testing::NormedMlp>>(normed_model, groups.replica);
+    stepped = normed_model->parameters();
+  } else if (use_ddp) {
+    ddp = std::make_unique<lockstep::DDP<lockstep::testing::Mlp>>(
+        model, groups.replica, lockstep::DdpOptions().shard_gradients(inside == "zero2"));
     stepped = model->parameters();
   } else {
     fsdp = std::make_unique<lockstep::FullyShardedDataParallel<lockstep::testing::Mlp>>(
         model, groups.replica);
     stepped = fsdp->parameters();
   }
-  torch::optim::SGD optimizer(stepped, torch::optim::SGDOptions(0.1).momentum(0.9));
-  lockstep::FaultTolerance ft(groups, *model, optimizer,
+  const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
+  std::unique_ptr<torch::optim::Optimizer> optimizing;
+  if (zero) {
+    // Each rank of a group steps its shard; the same place in every group
+    // owns the same one.
+    optimizing = std::make_unique<lockstep::ZeroRedundancyOptimizer<torch::optim::SGD>>(
+        stepped, groups.replica, sgd,
+        lockstep::ZeroOptions().partition(inside == "zero2" ? lockstep::ZeroPartition::Elements
+                                                            : lockstep::ZeroPartition::Parameters));
+    if (inside == "zero2") {
+      ddp->shard_gradients_with(*optimizing);
+    }
+  } else {
+    optimizing = std::make_unique<torch::optim::SGD>(stepped, sgd);
+  }
+  auto& optimizer = *optimizing;
+  lockstep::FaultTolerance ft(groups, trained, optimizer,
                               lockstep::FaultToleranceOptions()
                                   .heartbeat_timeout(std::chrono::milliseconds(1000))
                                   .step_timeout(std::chrono::seconds(60))
@@ -115,7 +152,7 @@ int train(int argc, char** argv) {
   auto full_parameters = [&] {
     std::vector<torch::Tensor> flat;
     if (use_ddp) {
-      for (const auto& param : model->parameters()) {
+      for (const auto& param : trained.parameters()) {
         flat.push_back(param.detach().flatten());
       }
     } else {
@@ -138,7 +175,8 @@ int train(int argc, char** argv) {
     optimizer.zero_grad();
     maybe_die("forward");
     auto x = inputs.index_select(0, index);
-    auto error = (use_ddp ? (*ddp)(x) : (*fsdp)(x)) - targets.index_select(0, index);
+    auto error = (normed ? (*normed_ddp)(x) : use_ddp ? (*ddp)(x) : (*fsdp)(x)) -
+        targets.index_select(0, index);
     scaler.scale(error.pow(2).mean()).backward();
     maybe_die("commit");
     auto totals = ft.commit(torch::stack(
@@ -164,6 +202,12 @@ int train(int argc, char** argv) {
   if (ft.world().rank() == 0 && groups.replica.rank() == 0) {
     std::ofstream(out + "/parameters.bin", std::ios::binary)
         .write(static_cast<const char*>(last.data_ptr()), last.numel() * sizeof(double));
+  }
+  if (normed) {
+    auto statistics = normed_model->statistics().contiguous();
+    std::ofstream(out + "/statistics-" + std::to_string(replica) + ".bin", std::ios::binary)
+        .write(static_cast<const char*>(statistics.data_ptr()),
+               statistics.numel() * sizeof(double));
   }
   auto stats = ft.stats();
   std::printf("groups_float64: rank %d: %lld steps, %lld dropped, %lld world(s) formed\n",
