@@ -54,16 +54,20 @@ std::vector<Member> whole_groups(const std::vector<Member>& candidates, int grou
 Agreement::Agreement(Membership& membership, Liveness& liveness, AgreementOptions options)
     : membership_(membership), liveness_(liveness), options_(options) {}
 
-std::optional<std::pair<int64_t, std::vector<Member>>> Agreement::next_epoch(
-    const Member& me, Clock::time_point deadline) {
-  // Where the store holds a latest epoch it must ignore (forged, or put
-  // back) and it has read none, it asks the members to come (for any later
-  // epoch): the first that reads the latest writes the genuine one back.
-  auto latest = membership_.latest([&] {
+Epoch Agreement::latest_before_coming(const Member& me) {
+  return membership_.latest([&] {
+    if (me.step < 0 && membership_.finished()) {
+      leave_ended_job(membership_, me.replica, me.incarnation);
+    }
     store_guarded("asked to join", [&] {
       liveness_.note(kWantNote + std::to_string(std::numeric_limits<int64_t>::max()));
     });
   });
+}
+
+std::optional<std::pair<int64_t, std::vector<Member>>> Agreement::next_epoch(
+    const Member& me, Clock::time_point deadline) {
+  auto latest = latest_before_coming(me);
   int64_t target = latest.number + 1;
   membership_.arrive(target, me);
   const auto& expected = latest.members;

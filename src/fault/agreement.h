@@ -72,6 +72,13 @@ class Agreement {
   std::optional<std::pair<int64_t, std::vector<Member>>> next_epoch(const Member& me,
                                                                    Clock::time_point deadline);
 
+  /// The latest epoch, as `me` reads it before it comes (Membership::latest):
+  /// where the store holds one it must ignore and it has read none, it asks
+  /// the members to come (for any later epoch: the first that reads the
+  /// latest writes the genuine one back), or, where the loop ended meanwhile
+  /// and it holds no state, leaves (leave_ended_job).
+  Epoch latest_before_coming(const Member& me);
+
   /// Reports the members of `among` that the store shows alive as hung,
   /// saying that they have not done `what`; returns them.
   std::vector<Member> report_laggards(const std::vector<Member>& among, const std::string& what);

@@ -180,6 +180,9 @@ FaultTolerance::FaultTolerance(std::shared_ptr<detail::Guarded> guarded,
   impl.epoch = 0;
   impl.watch_world(0, impl.members, impl.at_my_place(impl.members), impl.world);
   impl.base.barrier(); // epoch 0 is decided before anyone looks for it
+  // Every member reads it once: a rank that holds the latest epoch writes
+  // it back over one it must ignore (Membership::latest).
+  impl.membership->latest();
 }
 
 FaultTolerance::~FaultTolerance() = default;

@@ -98,7 +98,9 @@ class GroupReduction final : public Guarded {
     }
     auto buffers = module_.buffers();
     for (size_t i = 0; i < buffers.size(); ++i) {
-      if (buffers[i].defined() && buffers[i].numel() > 0) {
+      // (A bool buffer is no sum's: it stays each group's.)
+      if (buffers[i].defined() && buffers[i].numel() > 0 &&
+          buffers[i].scalar_type() != at::kBool) {
         by_dtype[buffers[i].scalar_type()].buffers.push_back(i);
       }
     }
@@ -114,9 +116,12 @@ class GroupReduction final : public Guarded {
       }
       for (size_t i : carried.buffers) {
         const auto& buffer = buffers[i];
-        parts.push_back(first ? buffer.reshape({-1}) : at::zeros({buffer.numel()}, buffer.options()));
+        parts.push_back(first ? buffer.reshape({-1})
+                              : at::zeros({buffer.numel()}, buffer.options()));
       }
-      parts.push_back(at::tensor(here, at::TensorOptions().dtype(at::kDouble)).to(dtype));
+      // On the device of what it travels with (a CUDA model's counts too).
+      parts.push_back(at::tensor(here, at::TensorOptions().dtype(at::kDouble))
+                          .to(parts.front().device(), dtype));
       auto flat = at::cat(parts);
       try {
         across_.all_reduce(flat, ReduceOp::Sum);

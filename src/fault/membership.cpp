@@ -250,8 +250,10 @@ Epoch Membership::latest(const std::function<void()>& waiting) {
       auto stored = store_guarded("wrote the latest epoch back", [&] {
         return client_->compare_set(prefix_ + "epoch", *value, held_);
       });
-      if (stored != held_) {
-        std::this_thread::sleep_for(kRetry); // another wrote meanwhile: read it
+      if (stored != held_ || retry > 0) {
+        // Another wrote meanwhile (read it), or something keeps writing
+        // over the write-back: no faster than a read per kRetry.
+        std::this_thread::sleep_for(kRetry);
       }
       continue;
     }

@@ -402,7 +402,7 @@ void FaultTolerance::Impl::await_link(Clock::time_point deadline) {
   }
   bool said = false;
   while (true) {
-    auto latest = membership->latest();
+    auto latest = agreement->latest_before_coming(me);
     if (std::any_of(latest.members.begin(), latest.members.end(),
                     [&](const Member& m) { return same_process(m, me); })) {
       return; // a member of it: it comes, with what it finds in this attempt
