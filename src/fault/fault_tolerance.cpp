@@ -98,7 +98,8 @@ FaultTolerance::FaultTolerance(std::shared_ptr<detail::Guarded> guarded,
                      "torch::optim optimizer, or shard inside replica groups "
                      "(FaultTolerance(replica_groups(world, k), ...), the "
                      "ZeroRedundancyOptimizer over groups.replica).");
-    LOCKSTEP_ENFORCE(WorldAccess::same(sharded->world(), groups->replica), UsageError, "lockstep::FaultTolerance over replica groups takes a "
+    LOCKSTEP_ENFORCE(WorldAccess::same(sharded->world(), groups->replica), UsageError,
+                     "lockstep::FaultTolerance over replica groups takes a "
                      "ZeroRedundancyOptimizer over the group's world (groups.replica), which "
                      "a group loses and gets back whole; this one's world has ",
                      sharded->world().size(), " ranks, the group ", groups->replica.size(),

@@ -138,6 +138,14 @@ std::optional<std::string> Membership::proven_body(const std::string& what,
   return body;
 }
 
+namespace {
+
+// Why a value written without the job's secret is ignored.
+constexpr const char* kUnproven =
+    "without a valid proof of the job secret (a process without the secret wrote it)";
+
+} // namespace
+
 void Membership::note_ignored(const std::string& key, const std::string& value,
                               const std::string& why) {
   if (value != ignored_) {
@@ -164,26 +172,31 @@ std::optional<Epoch> Membership::parse_epoch(const std::string& value) const {
   return epoch;
 }
 
-std::optional<std::string> Membership::write_back(std::optional<std::string> value) {
-  // A store that took over from one that is gone holds only what was
-  // written to it since: the latest epoch this rank read, signed by its
-  // decider, is written back over anything older (or nothing), by one
-  // compare-and-set per try, so that the epochs stay totally ordered
-  // across the move. Every rank that moved does so; the highest stands.
+bool Membership::older_than_held(const Epoch& epoch) const {
+  return epoch.number < highest_epoch_ ||
+      (epoch.number == highest_epoch_ && epoch.lineage < highest_lineage_);
+}
+
+std::optional<std::string> Membership::write_back(std::optional<std::string> value,
+                                                  const std::string& why) {
+  // The latest epoch this rank read, signed by its decider, is written
+  // back over anything older, unproven, or nothing, by one
+  // compare-and-set per try, so that the epochs stay totally ordered. Every
+  // rank that finds it so does so; the highest stands.
   for (int attempt = 0; attempt < 8; ++attempt) {
     if (value) {
       auto there = parse_epoch(*value);
-      if (there && (there->number > highest_epoch_ ||
-                    (there->number == highest_epoch_ && there->lineage >= highest_lineage_))) {
+      if (there && !older_than_held(*there)) {
         return value;
       }
     }
     auto stored = client_->compare_set(prefix_ + "epoch", value.value_or(""), held_);
     if (stored == held_) {
       client_->set(prefix_ + epoch_key(highest_epoch_, "members"), held_);
-      std::cerr << "lockstep: the job's store moved to " << client_->serving().describe()
-                << "; this rank wrote back the latest epoch it holds (" << highest_epoch_
-                << ")\n";
+      if (!why.empty()) {
+        std::cerr << "lockstep: " << why << "; this rank wrote back the latest epoch it holds ("
+                  << highest_epoch_ << ")\n";
+      }
     }
     value = stored.empty() ? std::nullopt : std::optional<std::string>(stored);
   }
@@ -197,7 +210,9 @@ Epoch Membership::latest(const std::function<void()>& waiting) {
     auto value = store_guarded("read the latest epoch", [&] {
       auto read = client_->get(prefix_ + "epoch");
       if (client_->moves() != moves_seen_ && !held_.empty()) {
-        read = write_back(read);
+        // A store that took over from one that is gone holds only what was
+        // written to it since.
+        read = write_back(read, "the job's store moved to " + client_->serving().describe());
       }
       moves_seen_ = client_->moves();
       return read;
@@ -211,9 +226,8 @@ Epoch Membership::latest(const std::function<void()>& waiting) {
     auto epoch = parse_epoch(*value);
     std::string wrong;
     if (!epoch) {
-      wrong = "without a valid proof of the job secret (a process without the secret wrote it)";
-    } else if (epoch->number < highest_epoch_ ||
-               (epoch->number == highest_epoch_ && epoch->lineage < highest_lineage_)) {
+      wrong = kUnproven;
+    } else if (older_than_held(*epoch)) {
       wrong = str("older than the one this rank read (epoch ", epoch->number, ", lineage ",
                   epoch->lineage, " after epoch ", highest_epoch_, ", lineage ",
                   highest_lineage_, "): an old value put back");
@@ -246,13 +260,12 @@ Epoch Membership::latest(const std::function<void()>& waiting) {
                                    : ", though this rank wrote back the latest it read: "
                                      "something writes over it; this rank ends.");
     if (!held_.empty()) {
-      // What this rank read, signed by its decider, goes back over it.
-      auto stored = store_guarded("wrote the latest epoch back", [&] {
-        return client_->compare_set(prefix_ + "epoch", *value, held_);
-      });
-      if (stored != held_ || retry > 0) {
-        // Another wrote meanwhile (read it), or something keeps writing
-        // over the write-back: no faster than a read per kRetry.
+      // What this rank read, signed by its decider, goes back over it (the
+      // warning above said why).
+      store_guarded("wrote the latest epoch back", [&] { return write_back(value, ""); });
+      if (retry > 0) {
+        // Something keeps writing over the write-back: no faster than a
+        // read per kRetry.
         std::this_thread::sleep_for(kRetry);
       }
       continue;
@@ -295,8 +308,7 @@ std::optional<std::vector<Member>> Membership::await_members(int64_t epoch,
   if (!body) {
     // The decider's own set comes after its compare-and-set: wait for it.
     note_ignored("epoch " + std::to_string(epoch) + "'s members", *value,
-                 "without a valid proof of the job secret (a process without the secret "
-                 "wrote it)");
+                 kUnproven);
     std::this_thread::sleep_for(std::min(wait, std::chrono::milliseconds(100)));
     return std::nullopt;
   }
@@ -360,8 +372,7 @@ std::string Membership::abandon(int64_t epoch, const std::string& why, bool* fir
     // rank's reason (a forger could otherwise end every rank that gives
     // its world up after it, or keep the epoch's reason from being told).
     std::cerr << "lockstep WARNING: the job's store held a reason for giving epoch " << epoch
-              << " up without a valid proof of the job secret (a process without the secret "
-                 "wrote it); it is ignored and replaced." << std::endl;
+              << " up " << kUnproven << "; it is ignored and replaced." << std::endl;
     LOCKSTEP_ENFORCE(attempt < 3, FaultToleranceError, "the job's store keeps holding a reason "
                      "for giving epoch ", epoch, " up without a valid proof of the job secret: "
                      "a process without the secret keeps writing it; keep the store's port "
@@ -379,9 +390,7 @@ std::optional<std::string> Membership::abandoned(int64_t epoch) {
   }
   auto body = proven_body(str("abandon|", epoch), *stored);
   if (!body) {
-    std::cerr << "lockstep WARNING: the job's store holds a reason for giving epoch " << epoch
-              << " up without a valid proof of the job secret (a process without the secret "
-                 "wrote it); it is ignored." << std::endl;
+    note_ignored(str("a reason for giving epoch ", epoch, " up"), *stored, kUnproven);
   }
   return body;
 }
@@ -444,8 +453,7 @@ std::optional<std::string> Membership::announced_state(int64_t epoch, int source
   auto body = proven_body(str("state|", epoch), *value);
   if (!body) {
     note_ignored("an announcement of the live state of epoch " + std::to_string(epoch), *value,
-                 "without a valid proof of the job secret (a process without the secret "
-                 "wrote it)");
+                 kUnproven);
   }
   return body;
 }
@@ -486,8 +494,7 @@ bool Membership::finished() {
   auto body = proven_body("finished", *value);
   if (!body) {
     note_ignored("the job's end", *value,
-                 "without a valid proof of the job secret (a process without the secret "
-                 "wrote it)");
+                 kUnproven);
   }
   return body == std::optional<std::string>(kFinished);
 }

@@ -164,7 +164,7 @@ class Membership {
   void announce_state(int64_t epoch, int source, int64_t step, const std::string& digest);
   /// What the sender of the live state in `epoch` announced it sent
   /// (state_claim), once it has, awaited at most `wait`; nullopt until then.
-  /// A value without a valid proof is ignored (logged once per epoch): the
+  /// A value without a valid proof is ignored (and logged): the
   /// sender's own overwrites it.
   std::optional<std::string> announced_state(int64_t epoch, int source,
                                              std::chrono::milliseconds wait);
@@ -207,9 +207,14 @@ class Membership {
   std::optional<Epoch> parse_epoch(const std::string& value) const;
   /// Logs, once per value, that `value` of `key` is ignored, and why.
   void note_ignored(const std::string& key, const std::string& value, const std::string& why);
-  /// After the store moved (StoreClient::moves): `held_` written over an
-  /// older latest epoch, or none; returns the latest after.
-  std::optional<std::string> write_back(std::optional<std::string> value);
+  /// `held_` written over `value`, the stored latest epoch, where that is
+  /// older, unproven or none (after the store moved, StoreClient::moves;
+  /// or one latest() ignores); returns the latest after. Logs `why`, if
+  /// any, where it wrote.
+  std::optional<std::string> write_back(std::optional<std::string> value,
+                                        const std::string& why);
+  /// Whether `epoch` is older than the latest this rank read.
+  bool older_than_held(const Epoch& epoch) const;
 
   // The highest epoch and lineage read: a value that goes back is an old
   // signed value put back by a store writer, and is refused.

@@ -22,7 +22,6 @@
 #include "common/wording.h"
 #include "fault/loop_state.h"
 #include "fault/state_stream.h"
-#include "optim/optimizer_bytes.h"
 #include "world/epoch_world.h"
 #include "compat/c10d.h"
 
@@ -287,14 +286,7 @@ void FaultTolerance::Impl::bring_up_to_date(World& next, const std::vector<Membe
       // The shard's state, and the options a scheduler set on the whole
       // optimizer (step() gives them to the shard's).
       detail::stream_optimizer(stream, sharded->local_optimizer());
-      detail::stream_archive(
-          stream,
-          [&](torch::serialize::OutputArchive& archive) {
-            detail::save_group_options(optimizer, archive);
-          },
-          [&](torch::serialize::InputArchive& archive) {
-            detail::load_group_options(optimizer, archive);
-          });
+      detail::stream_group_options(stream, optimizer);
     } else {
       detail::stream_optimizer(stream, optimizer);
     }

@@ -157,10 +157,14 @@ void stream_archive(StateStream& stream,
   load(archive);
 }
 
-void stream_optimizer(StateStream& stream, torch::optim::Optimizer& optimizer) {
+void stream_group_options(StateStream& stream, torch::optim::Optimizer& optimizer) {
   stream_archive(
       stream, [&](torch::serialize::OutputArchive& archive) { save_group_options(optimizer, archive); },
       [&](torch::serialize::InputArchive& archive) { load_group_options(optimizer, archive); });
+}
+
+void stream_optimizer(StateStream& stream, torch::optim::Optimizer& optimizer) {
+  stream_group_options(stream, optimizer);
   // A received state is made of the optimizer's own state type: the first
   // through the optimizer's loading (which knows the type), the others as
   // a clone of it with every field replaced. Only where a state has the

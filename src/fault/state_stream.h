@@ -79,5 +79,8 @@ void stream_archive(StateStream& stream,
 /// optimizer over the same parameters): its groups' options, then each
 /// parameter's state in turn.
 void stream_optimizer(StateStream& stream, torch::optim::Optimizer& optimizer);
+/// The options of `optimizer`'s groups alone (a learning rate a scheduler
+/// set), as stream_optimizer streams them first.
+void stream_group_options(StateStream& stream, torch::optim::Optimizer& optimizer);
 
 } // namespace lockstep::detail
