@@ -154,6 +154,31 @@ TEST(FaultToleranceOverGroupsErrors, GroupsCutFromAnotherWorldThanTheJobsAreRefu
   });
 }
 
+// The step's verdict rides with the reduction across the groups: a group
+// that commits sums where the other commits none is refused on every rank
+// before any sums travel, as with ranks alone.
+TEST(FaultToleranceOverGroupsErrors, SumsCommittedByOneGroupOnlyAreRefusedOnEveryRank) {
+  run_ranks(4, [](int rank) {
+    auto world = init();
+    auto groups = replica_groups(world, 2);
+    Mlp model;
+    DDP<Mlp> ddp(model, groups.replica);
+    torch::optim::SGD optimizer(model->parameters(), 0.1);
+    FaultTolerance ft(groups, *model, optimizer, FaultToleranceOptions().verbose(false));
+    ft.begin_step();
+    ddp(torch::randn({4, 20})).sum().backward();
+    expect_error<UsageError>(
+        [&] {
+          if (rank < 2) {
+            ft.commit(torch::ones({3}));
+          } else {
+            ft.commit();
+          }
+        },
+        {"ft.commit(sums) on some ranks of step 0 and ft.commit() on others (1 of 2 sum)"});
+  });
+}
+
 // The step inside backward would step on the group's average alone, before
 // the groups' and before the step is known to commit: the first commit
 // refuses it, on every rank, with a plain optimizer or ZeRO.

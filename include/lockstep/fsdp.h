@@ -34,7 +34,10 @@
 // What no unit holds (head above) is the root unit: gathered at the
 // wrapper's forward and freed at the end of backward. Outside the wrapper
 // (a plain process, the one-process reference of a test) a Sharded block
-// is the block itself. See docs/ddp.md, "When the model does not fit".
+// is the block itself. A model whose parameters do not fit one rank is
+// built with lockstep::build_sharded<Net>(world) (sharded_construction.h):
+// each unit keeps this rank's shard as its constructor returns. See
+// docs/ddp.md, "When the model does not fit".
 
 #include <exception>
 #include <memory>
@@ -49,6 +52,7 @@
 #include <torch/ordered_dict.h>
 
 #include <lockstep/ddp.h>
+#include <lockstep/sharded_construction.h>
 #include <lockstep/world.h>
 
 namespace lockstep {

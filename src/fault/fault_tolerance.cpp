@@ -266,8 +266,13 @@ bool FaultTolerance::Impl::commit(at::Tensor* sums) {
                    "every step starts with ft.begin_step().");
   impl.in_step = false;
   std::string failure = impl.guarded->take_failure();
+  detail::FoldedVerdict folded;
+  if (impl.watch) {
+    folded.join_asked = impl.join_asked();
+    folded.summing = sums != nullptr;
+  }
   if (failure.empty()) {
-    failure = impl.guarded->finish_step(); // across replica groups
+    failure = impl.guarded->finish_step(folded); // across replica groups
   }
   LOCKSTEP_ENFORCE(
       !failure.empty() || impl.guarded->synchronisations() > impl.synchronisations_at_begin,
@@ -290,7 +295,18 @@ bool FaultTolerance::Impl::commit(at::Tensor* sums) {
       ? 0
       : 1 + sums->numel() * 64 + static_cast<int64_t>(sums->scalar_type());
   bool join = false;
-  if (failure.empty()) {
+  if (failure.empty() && folded.carried) {
+    // The verdict came with the reduction across the groups, which
+    // completes only where every rank's held (torchft's should_commit):
+    // no collective more, unless every rank sums.
+    LOCKSTEP_ENFORCE(folded.summing_ranks == 0 || folded.summing_ranks == impl.world.size(),
+                     UsageError, "ft.commit(sums) on some ranks of step ", impl.committed,
+                     " and ft.commit() on others (", folded.summing_ranks, " of ",
+                     impl.world.size(), " sum): every rank of a step calls the same one, with "
+                     "sums of the same shape and type.");
+    join = folded.joins > 0;
+  }
+  if (failure.empty() && (!folded.carried || sums != nullptr)) {
     // The step's verdict, with no store operation: a rank whose reduction
     // failed gives its world up instead of coming here, so this small
     // all-reduce completes only where every rank's reduction held (where

@@ -88,7 +88,7 @@ class GroupReduction final : public Guarded {
   // The buffers become the first group's on every group, exactly (x plus
   // zeros), as DDP broadcasts rank 0's: statistics kept inside a group
   // (BatchNorm, or SyncBatchNorm over the group) would drift apart.
-  std::string finish_step() override {
+  std::string finish_step(FoldedVerdict& verdict) override {
     at::NoGradGuard no_grad;
     check_not_stepped();
     auto gradients = stepped_gradients();
@@ -105,6 +105,20 @@ class GroupReduction final : public Guarded {
       }
     }
     const bool first = across_.rank() == 0;
+    // The verdict rides with the widest dtype's reduction, where its sums
+    // (at most the number of groups) are exact: a 16-bit one only up to 256
+    // groups, an 8-bit one never (int8 wraps at 128, float8 rounds past 16).
+    // Otherwise (or with nothing to reduce) commit() takes it apart.
+    std::optional<at::ScalarType> verdict_in;
+    for (const auto& [dtype, carried] : by_dtype) {
+      if (!verdict_in || c10::elementSize(dtype) > c10::elementSize(*verdict_in)) {
+        verdict_in = dtype;
+      }
+    }
+    if (verdict_in && (c10::elementSize(*verdict_in) == 1 ||
+                       (c10::elementSize(*verdict_in) == 2 && across_.size() > 256))) {
+      verdict_in.reset();
+    }
     for (const auto& [dtype, carried] : by_dtype) {
       std::vector<at::Tensor> parts;
       std::vector<double> here;
@@ -119,6 +133,11 @@ class GroupReduction final : public Guarded {
         parts.push_back(first ? buffer.reshape({-1})
                               : at::zeros({buffer.numel()}, buffer.options()));
       }
+      const bool carries_verdict = verdict_in == dtype;
+      if (carries_verdict) {
+        here.push_back(verdict.join_asked ? 1.0 : 0.0);
+        here.push_back(verdict.summing ? 1.0 : 0.0);
+      }
       // On the device of what it travels with (a CUDA model's counts too).
       parts.push_back(at::tensor(here, at::TensorOptions().dtype(at::kDouble))
                           .to(parts.front().device(), dtype));
@@ -132,10 +151,15 @@ class GroupReduction final : public Guarded {
       }
       int64_t offset = 0;
       // Read once, not a host read per gradient.
-      const auto counted = static_cast<int64_t>(carried.gradients.size());
+      const auto counted = static_cast<int64_t>(here.size());
       auto counts =
           flat.narrow(0, flat.numel() - counted, counted).to(at::kDouble).contiguous();
       const double* count = counts.data_ptr<double>();
+      if (carries_verdict) {
+        verdict.carried = true;
+        verdict.joins = static_cast<int64_t>(count[counted - 2]);
+        verdict.summing_ranks = static_cast<int64_t>(count[counted - 1]);
+      }
       const double groups = static_cast<double>(across_.size());
       for (size_t j = 0; j < carried.gradients.size(); ++j) {
         auto& gradient = gradients[carried.gradients[j]];

@@ -29,6 +29,22 @@ namespace lockstep::detail {
 
 class Reducer;
 
+/// The step's verdict where the reduction at commit carries it (torchft's
+/// should_commit: the error flag folded into the reduction): what this rank
+/// brings, and, once carried, the sums over the step's world.
+struct FoldedVerdict {
+  /// In: whether this rank saw a rank ask to join.
+  bool join_asked = false;
+  /// In: whether this rank commits sums (ft.commit(sums)).
+  bool summing = false;
+  /// Out: whether finish_step carried the two above.
+  bool carried = false;
+  /// Out: over the step's world, the ranks that saw a join asked, and those
+  /// that commit sums.
+  int64_t joins = 0;
+  int64_t summing_ranks = 0;
+};
+
 class Guarded {
  public:
   virtual ~Guarded() = default;
@@ -44,8 +60,9 @@ class Guarded {
   /// commit.
   virtual int64_t synchronisations() const = 0;
   /// Runs what the step synchronises at commit, if anything (collective
-  /// in world()); returns why it failed, or "".
-  virtual std::string finish_step() { return ""; }
+  /// in world()), carrying `verdict` where it can; returns why it failed,
+  /// or "".
+  virtual std::string finish_step(FoldedVerdict& /*verdict*/) { return ""; }
   /// The step was dropped on every rank: what it synchronised is let go
   /// of without a step.
   virtual void drop_step() {}

@@ -178,12 +178,12 @@ bool Membership::older_than_held(const Epoch& epoch) const {
 }
 
 std::optional<std::string> Membership::write_back(std::optional<std::string> value,
-                                                  const std::string& why) {
+                                                  const std::string& why, int attempts) {
   // The latest epoch this rank read, signed by its decider, is written
   // back over anything older, unproven, or nothing, by one
   // compare-and-set per try, so that the epochs stay totally ordered. Every
   // rank that finds it so does so; the highest stands.
-  for (int attempt = 0; attempt < 8; ++attempt) {
+  for (int attempt = 0; attempt < attempts; ++attempt) {
     if (value) {
       auto there = parse_epoch(*value);
       if (there && !older_than_held(*there)) {
@@ -262,10 +262,10 @@ Epoch Membership::latest(const std::function<void()>& waiting) {
     if (!held_.empty()) {
       // What this rank read, signed by its decider, goes back over it (the
       // warning above said why).
-      store_guarded("wrote the latest epoch back", [&] { return write_back(value, ""); });
+      // One compare-and-set per read: where something keeps writing over
+      // the write-back, no faster than one per kRetry.
+      store_guarded("wrote the latest epoch back", [&] { return write_back(value, "", 1); });
       if (retry > 0) {
-        // Something keeps writing over the write-back: no faster than a
-        // read per kRetry.
         std::this_thread::sleep_for(kRetry);
       }
       continue;

@@ -209,10 +209,10 @@ class Membership {
   void note_ignored(const std::string& key, const std::string& value, const std::string& why);
   /// `held_` written over `value`, the stored latest epoch, where that is
   /// older, unproven or none (after the store moved, StoreClient::moves;
-  /// or one latest() ignores); returns the latest after. Logs `why`, if
-  /// any, where it wrote.
+  /// or one latest() ignores), by up to `attempts` compare-and-sets;
+  /// returns the latest after. Logs `why`, if any, where it wrote.
   std::optional<std::string> write_back(std::optional<std::string> value,
-                                        const std::string& why);
+                                        const std::string& why, int attempts = 8);
   /// Whether `epoch` is older than the latest this rank read.
   bool older_than_held(const Epoch& epoch) const;
 

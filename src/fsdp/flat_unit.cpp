@@ -9,6 +9,7 @@
 #include <lockstep/error.h>
 #include <lockstep/sharded_collectives.h>
 
+#include "fsdp/constructed_shard.h"
 #include "world/epoch_world.h"
 
 namespace lockstep::detail {
@@ -68,27 +69,35 @@ void FlatUnit::check(const std::string& name,
   }
 }
 
-FlatUnit::FlatUnit(std::string name,
-                   std::vector<std::pair<std::string, at::Tensor>> params,
-                   World& world, std::optional<at::ScalarType> compute)
-    : name_(std::move(name)), rank_(world.rank()), ranks_(world.size()) {
-  TORCH_INTERNAL_ASSERT(!params.empty());
+void FlatUnit::lay_out(std::vector<std::pair<std::string, at::Tensor>> params,
+                       const std::vector<std::vector<int64_t>>& shapes) {
+  TORCH_INTERNAL_ASSERT(!params.empty() && shapes.size() == params.size());
   check(name_, params);
-  const auto& first = params.front().second;
   int64_t total = 0;
-  for (auto& [param_name, param] : params) {
+  for (size_t k = 0; k < params.size(); ++k) {
     Member member;
-    member.name = param_name;
-    member.param = param;
-    member.shape = param.sizes().vec();
+    member.name = std::move(params[k].first);
+    member.param = std::move(params[k].second);
+    member.shape = shapes[k];
     member.offset = total;
-    member.numel = param.numel();
+    member.numel = c10::multiply_integers(member.shape);
     total += member.numel;
     members_.push_back(std::move(member));
   }
   per_rank_ = std::max<int64_t>(1, (total + ranks_ - 1) / ranks_);
-  auto options = first.options().requires_grad(false);
-  full_ = at::zeros({per_rank_ * ranks_}, options);
+}
+
+FlatUnit::FlatUnit(std::string name,
+                   std::vector<std::pair<std::string, at::Tensor>> params,
+                   World& world, std::optional<at::ScalarType> compute)
+    : name_(std::move(name)), rank_(world.rank()), ranks_(world.size()) {
+  std::vector<std::vector<int64_t>> shapes;
+  for (const auto& [param_name, param] : params) {
+    shapes.push_back(param.sizes().vec());
+  }
+  lay_out(std::move(params), shapes);
+  full_ = at::zeros({per_rank_ * ranks_},
+                    members_.front().param.options().requires_grad(false));
   {
     at::NoGradGuard no_grad;
     for (const auto& member : members_) {
@@ -97,6 +106,22 @@ FlatUnit::FlatUnit(std::string name,
   }
   world.broadcast(full_, 0, str("the parameters of ", describe(), " from rank 0"));
   shard_ = full_.narrow(0, rank_ * per_rank_, per_rank_).clone();
+  take_shard(compute);
+}
+
+FlatUnit::FlatUnit(std::string name,
+                   std::vector<std::pair<std::string, at::Tensor>> params,
+                   ConstructedShard& built, std::optional<at::ScalarType> compute)
+    : name_(std::move(name)), rank_(built.rank), ranks_(built.ranks) {
+  lay_out(std::move(params), built.shapes);
+  TORCH_INTERNAL_ASSERT(built.shard.numel() == per_rank_, "a shard of another layout");
+  full_ = at::empty({per_rank_ * ranks_}, built.shard.options());
+  shard_ = built.shard;
+  take_shard(compute);
+}
+
+void FlatUnit::take_shard(std::optional<at::ScalarType> compute) {
+  const auto options = shard_.options().requires_grad(false);
   int64_t mine_first = rank_ * per_rank_;
   int64_t mine_last = mine_first + per_rank_;
   for (auto& member : members_) {
@@ -110,7 +135,7 @@ FlatUnit::FlatUnit(std::string name,
   }
   placeholder_ = at::empty({0}, options);
   BufferPool none(0);
-  if (compute && *compute != first.scalar_type()) {
+  if (compute && *compute != shard_.scalar_type()) {
     compute_ = compute;
     full_low_ = at::empty({per_rank_ * ranks_}, options.dtype(*compute));
     release_memory(full_low_, bytes_of(full_low_), none);
@@ -118,7 +143,7 @@ FlatUnit::FlatUnit(std::string name,
     placeholder_ = at::empty({0}, options.dtype(*compute));
   }
   // The gradients come in the dtype the unit computes in.
-  grad_full_ = at::empty({per_rank_ * ranks_}, options.dtype(compute_.value_or(first.scalar_type())));
+  grad_full_ = at::empty({per_rank_ * ranks_}, options.dtype(compute_.value_or(shard_.scalar_type())));
   release_memory(grad_full_, bytes_of(grad_full_), none);
   had_gradient_.assign(members_.size(), 0);
   // Made now rather than at the first reduction: a long-lived block made

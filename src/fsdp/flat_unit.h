@@ -25,6 +25,8 @@ struct Node;
 
 namespace lockstep::detail {
 
+struct ConstructedShard;
+
 class FlatUnit {
  public:
   struct Member {
@@ -46,6 +48,10 @@ class FlatUnit {
   /// dtype for forward and backward, and its gradients come in it.
   FlatUnit(std::string name, std::vector<std::pair<std::string, at::Tensor>> params,
            World& world, std::optional<at::ScalarType> compute = std::nullopt);
+  /// Local: takes the shard that `built` kept of `params` when the unit was
+  /// built under a ShardedConstruction (checked by constructed_shards).
+  FlatUnit(std::string name, std::vector<std::pair<std::string, at::Tensor>> params,
+           ConstructedShard& built, std::optional<at::ScalarType> compute = std::nullopt);
 
   const std::string& name() const {
     return name_;
@@ -114,6 +120,13 @@ class FlatUnit {
   int64_t per_rank_ = 0; // S
   int rank_ = 0;
   int ranks_ = 1;
+  // The members end to end, in `shapes` (the parameters' own, or those
+  // they were built in), and S.
+  void lay_out(std::vector<std::pair<std::string, at::Tensor>> params,
+               const std::vector<std::vector<int64_t>>& shapes);
+  // With shard_ in place: the pieces, the compute dtype's tensors and the
+  // gradients' (none of them holding memory yet); the parameters freed.
+  void take_shard(std::optional<at::ScalarType> compute);
   // Starts gathering into the compute dtype's full tensor, or the shards'.
   void start_gather(World& world, BufferPool& pool, bool full_precision);
   // Waits for a gather in flight and points the parameters at what it

@@ -15,6 +15,7 @@
 #include <lockstep/error.h>
 #include <lockstep/sync_batch_norm.h>
 
+#include "fsdp/constructed_shard.h"
 #include "fsdp/sharded_model_state.h"
 #include "fsdp/unit_registry.h"
 
@@ -147,6 +148,9 @@ void ShardedModel::State::shard(torch::nn::Module& module) {
                      device->first, " is on ", device->second, " while ", name, " is on ",
                      first.device(), ".");
   }
+  // Collective: what the ranks kept of units built under a
+  // ShardedConstruction, checked alike on every rank.
+  auto built = constructed_shards(world, names, declared, members);
   size_t index = members[0].empty() ? 0 : 1;
   for (size_t u = 1; u < names.size(); ++u) {
     if (members[u].empty()) {
@@ -173,8 +177,10 @@ void ShardedModel::State::shard(torch::nn::Module& module) {
           param.requires_grad() ? hook_accumulator(param, units.size(), k) : nullptr);
     }
     unit_names.push_back(names[u]);
-    units.push_back(
-        std::make_unique<FlatUnit>(names[u], std::move(members[u]), world, compute[u]));
+    units.push_back(built[u] ? std::make_unique<FlatUnit>(names[u], std::move(members[u]),
+                                                          *built[u], compute[u])
+                             : std::make_unique<FlatUnit>(names[u], std::move(members[u]),
+                                                          world, compute[u]));
   }
   // Backward reduces the last registered unit first until the forward
   // order is known (agree_on_order); the root last, at the end of backward.

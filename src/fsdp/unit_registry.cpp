@@ -7,6 +7,7 @@
 
 #include <lockstep/fsdp.h>
 
+#include "fsdp/constructed_shard.h"
 #include "fsdp/unit_registry.h"
 
 namespace lockstep::detail {
@@ -17,6 +18,7 @@ struct Entry {
   // address.
   std::weak_ptr<torch::nn::Module> module;
   std::weak_ptr<UnitHooks> hooks;
+  std::shared_ptr<ConstructedShard> constructed;
 };
 
 std::mutex& registry_mutex() {
@@ -52,14 +54,18 @@ void forget_dead_modules() {
 } // namespace
 
 void declare_unit(const std::shared_ptr<torch::nn::Module>& module) {
-  std::lock_guard<std::mutex> lock(registry_mutex());
-  if (live_entry(*module) != nullptr) {
-    return;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    if (live_entry(*module) == nullptr) {
+      // Keeps the table as small as the live units, however many models a
+      // program builds and drops.
+      forget_dead_modules();
+      registry()[module.get()] = Entry{module, {}, nullptr};
+    }
   }
-  // Keeps the table as small as the live units, however many models a
-  // program builds and drops.
-  forget_dead_modules();
-  registry()[module.get()] = Entry{module, {}};
+  // Under a ShardedConstruction, once (the holder that register_module's
+  // result makes declares the unit again).
+  shard_at_construction(module);
 }
 
 bool is_declared_unit(const torch::nn::Module& module) {
@@ -89,6 +95,20 @@ void detach_unit_hooks(const torch::nn::Module& module) {
   if (auto* entry = live_entry(module)) {
     entry->hooks.reset();
   }
+}
+
+void keep_constructed_shard(const torch::nn::Module& module,
+                            std::shared_ptr<ConstructedShard> shard) {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  auto* entry = live_entry(module);
+  TORCH_INTERNAL_ASSERT(entry != nullptr, "a unit that was never declared");
+  entry->constructed = std::move(shard);
+}
+
+std::shared_ptr<ConstructedShard> constructed_shard_of(const torch::nn::Module& module) {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  auto* entry = live_entry(module);
+  return entry == nullptr ? nullptr : entry->constructed;
 }
 
 } // namespace lockstep::detail

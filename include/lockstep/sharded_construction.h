@@ -1,0 +1,58 @@
+#pragma once
+
+// Building a model larger than one rank. A LibTorch module makes its
+// parameters in its constructor, in full; FullyShardedDataParallel then
+// keeps each rank's shard. A model whose parameters do not fit one rank
+// cannot be built that way. While a ShardedConstruction lives, each
+// lockstep::Sharded block keeps only this rank's shard of its parameters as
+// soon as its constructor returns, so that a rank holds, besides the
+// shards, one unit in full at a time (and what no unit holds, the root):
+//
+//   torch::manual_seed(0);                        // every rank alike
+//   auto model = lockstep::build_sharded<Net>(world);
+//   lockstep::FullyShardedDataParallel<Net> fsdp(model, world);
+//
+// Every rank draws the whole unit's initial values, as a plain build with
+// the same seed does, and keeps its part: the wrapper starts from the
+// values of `Net()` built in one process after the same seed, without a
+// broadcast. It checks that every rank built the same values (a checksum of
+// each unit's bytes, taken before sharding) and raises ConfigError on every
+// rank where they differ. A module built so is usable only through the
+// wrapper: its units' parameters are empty until it gathers them. Build it
+// in the dtype and on the device it trains in (torch::set_default_dtype),
+// since a conversion after the build reaches only the empty parameters.
+// Likewise each unit's initialisation must happen in its own constructor:
+// a parent that initialises a unit's parameters after building it (a loop
+// over parameters(), module->apply(init)) reaches empty tensors and draws
+// no random numbers, so the build no longer matches a plain one (and
+// torch::nn::init's xavier_ and kaiming_ raise on an empty tensor).
+
+#include <utility>
+
+#include <lockstep/world.h>
+
+namespace lockstep {
+
+/// See the top of this header. Local: no collective (the wrapper's
+/// constructor checks what the ranks built). One at a time on a thread;
+/// the units built on other threads meanwhile are built in full.
+class ShardedConstruction {
+ public:
+  /// The units built while it lives are cut for `world` (its size and this
+  /// rank's place), the world that FullyShardedDataParallel will shard them
+  /// over. Raises UsageError if another lives on this thread.
+  explicit ShardedConstruction(const World& world);
+  ~ShardedConstruction();
+  ShardedConstruction(const ShardedConstruction&) = delete;
+  ShardedConstruction& operator=(const ShardedConstruction&) = delete;
+};
+
+/// `ModuleType(args...)` (a module holder such as one TORCH_MODULE makes)
+/// built under a ShardedConstruction over `world`.
+template <typename ModuleType, typename... Args>
+ModuleType build_sharded(const World& world, Args&&... args) {
+  ShardedConstruction construction(world);
+  return ModuleType(std::forward<Args>(args)...);
+}
+
+} // namespace lockstep
