@@ -5,7 +5,9 @@
 // (its place's).
 
 #include <algorithm>
+#include <chrono>
 #include <iterator>
+#include <thread>
 
 #include <ATen/ATen.h>
 
@@ -43,7 +45,15 @@ void FaultTolerance::Impl::reduce_in_group(at::Tensor& tensor, ReduceOp op,
   try {
     group->all_reduce(tensor, op);
   } catch (const CollectiveError& e) {
-    check_group(); // the reason, where the liveness has it
+    // The reason, where the liveness has it: a peer that exited closed its
+    // world's connections at once, and its store connection as it went, so
+    // the store's verdict follows within moments; a hung one is named only
+    // after its heartbeat timeout, which is not waited for.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+    do {
+      check_group();
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    } while (std::chrono::steady_clock::now() < deadline);
     LOCKSTEP_FAIL(FaultToleranceError, "rank ", me.replica, ": its replica group could not "
                   "agree whether it ", what, ": ", detail::first_line(e.what()));
   } catch (const TimeoutError& e) {
