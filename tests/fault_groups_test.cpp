@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 
+#include <lockstep/fsdp.h>
 #include <lockstep/lockstep.h>
 
 #include "support/elastic_reference.h"
@@ -151,6 +152,21 @@ TEST(FaultToleranceOverGroupsErrors, GroupsCutFromAnotherWorldThanTheJobsAreRefu
     torch::optim::SGD optimizer(model->parameters(), 0.1);
     expect_error<UsageError>([&] { FaultTolerance(groups, *model, optimizer); },
                              {"takes groups cut from the job's world"});
+  });
+}
+
+// Hybrid sharding over init()'s world replicates across groups of its own,
+// which fault tolerance would average again and could not rebuild.
+TEST(FaultToleranceOverGroupsErrors, AnFsdpShardedAcrossTheGroupsIsRefused) {
+  run_ranks(4, [](int) {
+    auto world = init();
+    auto groups = replica_groups(world, 2);
+    Mlp model;
+    FullyShardedDataParallel<Mlp> fsdp(model, world, FsdpOptions().shard_group_size(2));
+    torch::optim::SGD optimizer(fsdp.parameters(), 0.1);
+    expect_error<UsageError>([&] { FaultTolerance(groups, *model, optimizer); },
+                             {"takes an optimizer over pieces sharded inside the group",
+                              "sharded over a world of 4 ranks, the group has 2"});
   });
 }
 

@@ -52,43 +52,11 @@
 #include <torch/ordered_dict.h>
 
 #include <lockstep/ddp.h>
+#include <lockstep/fsdp_options.h>
 #include <lockstep/sharded_construction.h>
 #include <lockstep/world.h>
 
 namespace lockstep {
-
-struct FsdpOptions {
-  /// Free a unit's full parameters after its forward and gather them again
-  /// before its backward (FSDP2's reshard_after_forward). False keeps them
-  /// from the forward to the unit's backward: one gather less per step, the
-  /// memory of every unit's parameters at the end of forward.
-  TORCH_ARG(bool, reshard_after_forward) = true;
-  /// The dtype the gradients travel in (bfloat16 or float16 halve the
-  /// bytes of every reduce-scatter): each rank's gradients are rounded to
-  /// it, averaged in it as World averages 16-bit tensors (each share
-  /// divided, the shares summed in float32, rounded once), and the average
-  /// returns to the parameters' dtype. Unset: their own dtype. PyTorch's
-  /// MixedPrecision(reduce_dtype=...).
-  TORCH_ARG(std::optional<at::ScalarType>, reduce_dtype);
-  /// Start gathering the next unit while the current one computes: in
-  /// forward the unit that followed this one in the last step's forward,
-  /// in backward the one that preceded it (FSDP's forward_prefetch and
-  /// BACKWARD_PRE). One more unit's parameters in memory at a time. Over
-  /// Gloo the gather runs meanwhile; over shared memory it moves when the
-  /// rank next calls into the transport, so it gains little there.
-  TORCH_ARG(bool, prefetch) = false;
-  /// What forward and backward compute in (PyTorch's MixedPrecisionPolicy
-  /// param_dtype): each unit's shard is cast to it and gathered in it
-  /// (half the bytes of float32), its parameters are these copies while it
-  /// computes, its gradients come in it and are averaged in reduce_dtype
-  /// (unset: this dtype, as FSDP2) into the float32 shards, which the
-  /// optimizer steps. Floating inputs of the wrapper's forward are cast to
-  /// it. A unit that holds only BatchNorm parameters keeps its own dtype
-  /// (declare each BatchNorm a unit: lockstep::Sharded<torch::nn::BatchNorm2d>);
-  /// a unit that mixes them with others is refused. Unset: the parameters'
-  /// own dtype.
-  TORCH_ARG(std::optional<at::ScalarType>, param_dtype);
-};
 
 namespace detail {
 
@@ -170,6 +138,8 @@ class ShardedModel {
                             const torch::optim::Optimizer& full);
   /// The units' names, root ("") first, in the order of the module tree.
   std::vector<std::string> unit_names() const;
+  /// The ranks that hold each parameter's pieces once each.
+  World shard_world() const;
   /// Collective: each rank writes its pieces, `optimizer`'s state of them
   /// and `module`'s buffers to a file of its own, then rank 0 the index at
   /// `path` (src/fsdp/sharded_checkpoint.cpp).
@@ -357,7 +327,8 @@ class FullyShardedDataParallel {
   /// Collective: a sharded checkpoint. Each rank writes its pieces of the parameters,
   /// `optimizer`'s state of them (the optimizer over parameters()) and the module's buffers to
   /// a file of its own beside `path` ("PATH.G.rankR-of-N"), then rank 0 writes `path`, which
-  /// names them: no rank holds more than its shard. A crash during a save leaves the previous
+  /// names them: no rank holds more than its shard. Under hybrid sharding the first group
+  /// writes (N its size): the other groups hold the same pieces. A crash during a save leaves the previous
   /// checkpoint whole; once the new one is complete, the files of every other save beside it
   /// are removed. `path` must be where every rank that loads can read.
   void save_sharded(const std::string& path, const torch::optim::Optimizer& optimizer) {
@@ -367,8 +338,8 @@ class FullyShardedDataParallel {
   /// any world size, reading one at a time the files that hold part of
   /// them (a rank holds its shard and its state twice over and one file,
   /// never the model), with the optimizer's state and groups' options
-  /// (rank 0's) and the buffers (this rank's at the same world size, else
-  /// rank 0's). `optimizer` is over parameters(), of the type that saved.
+  /// (rank 0's) and the buffers (this rank's place's at the same number of
+  /// shards, else rank 0's; under hybrid sharding, the first group's). `optimizer` is over parameters(), of the type that saved.
   /// Raises CheckpointError on every rank, changing nothing, if any rank
   /// cannot read: a missing or damaged file, or another model's.
   void load_sharded(const std::string& path, torch::optim::Optimizer& optimizer) {
@@ -377,8 +348,10 @@ class FullyShardedDataParallel {
   /// Collective: checks that every rank holds what all must hold alike,
   /// and raises lockstep::UsageError naming the first tensor that differs
   /// and the ranks that hold other values (one small all-gather of
-  /// checksums). Each element of a parameter is held by one rank, so that
-  /// the parameters have no replicas to compare; the buffers do, and
+  /// checksums). Each element of a parameter is held by one rank (under
+  /// hybrid sharding, one rank of each group; those copies are not
+  /// compared), so that the parameters have no replicas to compare; the
+  /// buffers do, and
   /// ReplicaCheck::All compares them: a SyncBatchNorm's statistics agree
   /// between steps, a plain BatchNorm's are each rank's own (FSDP, as
   /// PyTorch's, does not synchronise buffers after construction).
@@ -390,6 +363,14 @@ class FullyShardedDataParallel {
   /// declared ones by their names in the module tree.
   std::vector<std::string> unit_names() const {
     return model_->unit_names();
+  }
+  /// The ranks that together hold each parameter's pieces once each: the
+  /// wrapper's world, or under FsdpOptions::shard_group_size this rank's
+  /// group. A norm over parameters() is taken over them
+  /// (clip_grad_norm_(fsdp.parameters(), max, fsdp.shard_world())): over
+  /// the whole world, each group's pieces would count once per group.
+  World shard_world() const {
+    return model_->shard_world();
   }
   /// The module. Outside forward and backward its parameters are freed
   /// (empty tensors); its buffers are its own.

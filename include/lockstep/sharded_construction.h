@@ -27,8 +27,10 @@
 // no random numbers, so the build no longer matches a plain one (and
 // torch::nn::init's xavier_ and kaiming_ raise on an empty tensor).
 
+#include <type_traits>
 #include <utility>
 
+#include <lockstep/fsdp_options.h>
 #include <lockstep/world.h>
 
 namespace lockstep {
@@ -38,20 +40,37 @@ namespace lockstep {
 /// the units built on other threads meanwhile are built in full.
 class ShardedConstruction {
  public:
-  /// The units built while it lives are cut for `world` (its size and this
-  /// rank's place), the world that FullyShardedDataParallel will shard them
-  /// over. Raises UsageError if another lives on this thread.
-  explicit ShardedConstruction(const World& world);
+  /// The units built while it lives are cut as FullyShardedDataParallel
+  /// over `world` with `options` will shard them: over the whole world, or
+  /// under FsdpOptions::shard_group_size over this rank's group. Raises
+  /// UsageError if another lives on this thread, ConfigError for a group
+  /// size that does not divide the world.
+  explicit ShardedConstruction(const World& world, const FsdpOptions& options = {});
   ~ShardedConstruction();
   ShardedConstruction(const ShardedConstruction&) = delete;
   ShardedConstruction& operator=(const ShardedConstruction&) = delete;
 };
 
+namespace detail {
+template <typename... Args>
+struct FirstIsFsdpOptions : std::false_type {};
+template <typename First, typename... Rest>
+struct FirstIsFsdpOptions<First, Rest...> : std::is_same<std::decay_t<First>, FsdpOptions> {};
+} // namespace detail
+
 /// `ModuleType(args...)` (a module holder such as one TORCH_MODULE makes)
 /// built under a ShardedConstruction over `world`.
-template <typename ModuleType, typename... Args>
+template <typename ModuleType, typename... Args,
+          std::enable_if_t<!detail::FirstIsFsdpOptions<Args...>::value, int> = 0>
 ModuleType build_sharded(const World& world, Args&&... args) {
   ShardedConstruction construction(world);
+  return ModuleType(std::forward<Args>(args)...);
+}
+
+/// The same for a wrapper with `options` (hybrid sharding).
+template <typename ModuleType, typename... Args>
+ModuleType build_sharded(const World& world, const FsdpOptions& options, Args&&... args) {
+  ShardedConstruction construction(world, options);
   return ModuleType(std::forward<Args>(args)...);
 }
 

@@ -18,6 +18,7 @@
 
 #include "common/wording.h"
 #include "fault/loop_state.h"
+#include "optim/gradient_placement.h"
 #include "store/client.h"
 #include "world/epoch_world.h"
 
@@ -105,6 +106,19 @@ FaultTolerance::FaultTolerance(std::shared_ptr<detail::Guarded> guarded,
                      sharded->world().size(), " ranks, the group ", groups->replica.size(),
                      ".");
     impl.sharded = sharded;
+  }
+  if (groups != nullptr) {
+    // FSDP's pieces likewise: sharded inside the group, which a group loses
+    // and gets back whole (not across groups, as hybrid sharding does).
+    auto placement = detail::gradient_placement(optimizer);
+    LOCKSTEP_ENFORCE(!placement.sharded_across ||
+                         WorldAccess::same(*placement.sharded_across, groups->replica),
+                     UsageError, "lockstep::FaultTolerance over replica groups takes an "
+                     "optimizer over pieces sharded inside the group (FullyShardedDataParallel "
+                     "over groups.replica, without FsdpOptions::shard_group_size: the groups "
+                     "are the replicas); these pieces are sharded over a world of ",
+                     placement.sharded_across ? placement.sharded_across->size() : 0,
+                     " ranks, the group has ", groups->replica.size(), ".");
   }
   LOCKSTEP_ENFORCE(
       !WorldAccess::across_hosts(impl.base) || WorldAccess::has_secret(impl.base) ||

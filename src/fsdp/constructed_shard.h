@@ -22,6 +22,7 @@ class Module;
 
 namespace lockstep {
 class World;
+struct FsdpOptions;
 } // namespace lockstep
 
 namespace lockstep::detail {
@@ -47,19 +48,26 @@ struct ConstructedShard {
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
 };
 
+/// How many consecutive ranks of `world` share each unit's shards under
+/// `options` (FsdpOptions::shard_group_size; the whole world where unset).
+/// Raises ConfigError, on every rank alike, for a size that does not divide
+/// the world.
+int shard_group_size(const World& world, const FsdpOptions& options);
+
 /// Under a ShardedConstruction on this thread, keeps this rank's shard of
 /// the parameters of the declared unit `module` that no unit declared
 /// inside it holds, and frees the rest; otherwise does nothing.
 void shard_at_construction(const std::shared_ptr<torch::nn::Module>& module);
 
-/// Collective over `world`, by the wrapper before it shards: for each unit
+/// Collective over `world`, by the wrapper before it shards over
+/// `shard_world` (the world, or this rank's group of it): for each unit
 /// (`declared[u]`, null for the root; `params[u]` its parameters as the
 /// wrapper assigns them), what it was built with, or null for one built in
 /// full. Raises ConfigError on every rank alike where the ranks built a
-/// unit in different ways or values, or for another world, or where the
-/// unit changed since (other parameters, another dtype or device).
+/// unit in different ways or values, or cut it for another world, or where
+/// the unit changed since (other parameters, another dtype or device).
 std::vector<std::shared_ptr<ConstructedShard>> constructed_shards(
-    World& world, const std::vector<std::string>& names,
+    World& world, const World& shard_world, const std::vector<std::string>& names,
     const std::vector<std::shared_ptr<torch::nn::Module>>& declared,
     const std::vector<std::vector<std::pair<std::string, at::Tensor>>>& params);
 

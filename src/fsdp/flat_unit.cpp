@@ -89,7 +89,7 @@ void FlatUnit::lay_out(std::vector<std::pair<std::string, at::Tensor>> params,
 
 FlatUnit::FlatUnit(std::string name,
                    std::vector<std::pair<std::string, at::Tensor>> params,
-                   World& world, std::optional<at::ScalarType> compute)
+                   World& world, World& from, std::optional<at::ScalarType> compute)
     : name_(std::move(name)), rank_(world.rank()), ranks_(world.size()) {
   std::vector<std::vector<int64_t>> shapes;
   for (const auto& [param_name, param] : params) {
@@ -104,7 +104,7 @@ FlatUnit::FlatUnit(std::string name,
       full_.narrow(0, member.offset, member.numel).copy_(member.param.reshape({-1}));
     }
   }
-  world.broadcast(full_, 0, str("the parameters of ", describe(), " from rank 0"));
+  from.broadcast(full_, 0, str("the parameters of ", describe(), " from rank 0"));
   shard_ = full_.narrow(0, rank_ * per_rank_, per_rank_).clone();
   take_shard(compute);
 }
@@ -291,7 +291,7 @@ void FlatUnit::drop_gradients(BufferPool& pool) {
 }
 
 void FlatUnit::reduce_gradients(World& world, BufferPool& pool,
-                                std::optional<at::ScalarType> wire) {
+                                std::optional<at::ScalarType> wire, World* replicas) {
   // The same on every rank: whether a unit holds a trainable parameter
   // depends on the model alone. One without has nothing to reduce.
   if (!any_trainable()) {
@@ -319,25 +319,36 @@ void FlatUnit::reduce_gradients(World& world, BufferPool& pool,
     }
     member.param.mutable_grad().reset();
   }
-  scatter_into_pieces(world, flat, wire);
+  scatter_into_pieces(world, flat, wire, replicas);
   release_memory(grad_full_, grad_block_, pool);
   gradients_attached_ = false;
 }
 
 void FlatUnit::scatter_into_pieces(World& world, const at::Tensor& flat,
-                                   std::optional<at::ScalarType> wire) {
+                                   std::optional<at::ScalarType> wire, World* replicas) {
   int64_t mine_first = rank_ * per_rank_;
-  // The average of `flat` over the ranks, this rank's slice into `out`;
-  // in `wire`'s dtype on the way where one is asked for.
+  // This rank's slice of the average of the groups' averages (one group:
+  // of `flat` over the ranks); in `wire`'s dtype on the way where one is
+  // asked for.
+  auto across_groups = [&](at::Tensor& slice) {
+    if (replicas != nullptr) {
+      replicas->all_reduce_async(slice, ReduceOp::Average,
+                                 str("all-reduce of ", describe(), "'s gradient shard across "
+                                     "the replicas"))
+          .wait();
+    }
+  };
   auto average_into = [&](at::Tensor& out) {
     auto what = str("reduce-scatter of ", describe(), "'s gradients");
     if ((!wire || *wire == flat.scalar_type()) && out.scalar_type() == flat.scalar_type()) {
       reduce_scatter(world, out, flat, ReduceOp::Average, what);
+      across_groups(out);
       return;
     }
     auto sent = flat.to(wire.value_or(flat.scalar_type()));
     auto received = at::empty({per_rank_}, sent.options());
     reduce_scatter(world, received, sent, ReduceOp::Average, what);
+    across_groups(received);
     out.copy_(received);
   };
   auto piece_of = [&](const at::Tensor& slice, const Member& member) {

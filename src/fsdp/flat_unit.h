@@ -41,13 +41,15 @@ class FlatUnit {
     int64_t piece_offset = 0; // in the full tensor
   };
 
-  /// Collective: takes rank 0's values of `params` (name, tensor), keeps
-  /// this rank's shard and frees the rest. Raises ConfigError (on every
-  /// rank alike) for parameters of more than one dtype or device. With
-  /// `compute` (FsdpOptions::param_dtype), the unit is gathered in that
-  /// dtype for forward and backward, and its gradients come in it.
+  /// Collective over `from` (the wrapper's world): takes its rank 0's
+  /// values of `params` (name, tensor), keeps this rank's shard of `world`
+  /// (`from`, or this rank's group of it under hybrid sharding) and frees
+  /// the rest. Raises ConfigError (on every rank alike) for parameters of
+  /// more than one dtype or device. With `compute`
+  /// (FsdpOptions::param_dtype), the unit is gathered in that dtype for
+  /// forward and backward, and its gradients come in it.
   FlatUnit(std::string name, std::vector<std::pair<std::string, at::Tensor>> params,
-           World& world, std::optional<at::ScalarType> compute = std::nullopt);
+           World& world, World& from, std::optional<at::ScalarType> compute = std::nullopt);
   /// Local: takes the shard that `built` kept of `params` when the unit was
   /// built under a ShardedConstruction (checked by constructed_shards).
   FlatUnit(std::string name, std::vector<std::pair<std::string, at::Tensor>> params,
@@ -102,8 +104,11 @@ class FlatUnit {
   /// (zeros where a parameter has none) is added to the pieces' gradients;
   /// the parameters' own gradients are dropped. Gradients that were not
   /// attached are put end to end in a block of `pool` first. With `wire`,
-  /// they travel in that dtype.
-  void reduce_gradients(World& world, BufferPool& pool, std::optional<at::ScalarType> wire);
+  /// they travel in that dtype. With `replicas` (hybrid sharding), each
+  /// rank's average over `world` is then averaged with the same place of
+  /// every other group.
+  void reduce_gradients(World& world, BufferPool& pool, std::optional<at::ScalarType> wire,
+                        World* replicas = nullptr);
   /// Per member: whether its piece held a gradient before the last
   /// reduce_gradients (a member that no rank used gets none back).
   const std::vector<char>& had_gradient() const {
@@ -113,9 +118,10 @@ class FlatUnit {
  private:
   std::string name_;
   std::vector<Member> members_;
-  // The reduce-scatter of `flat` into the pieces' gradients.
+  // The reduce-scatter of `flat` into the pieces' gradients (and the
+  // all-reduce of the result across `replicas`).
   void scatter_into_pieces(World& world, const at::Tensor& flat,
-                           std::optional<at::ScalarType> wire);
+                           std::optional<at::ScalarType> wire, World* replicas);
 
   int64_t per_rank_ = 0; // S
   int rank_ = 0;

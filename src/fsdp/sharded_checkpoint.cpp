@@ -198,6 +198,36 @@ void remove_other_generations(const std::string& path, int64_t keep, int64_t ran
   }
 }
 
+// This rank's file: its pieces, their optimizer state, and the buffers.
+void write_pieces(const std::string& path, int64_t number, int shard, int shards,
+                  const std::vector<ShardedModel::State::NumberedMember>& members,
+                  const torch::optim::Optimizer& optimizer, torch::nn::Module& module) {
+  torch::serialize::OutputArchive archive;
+  archive.write("format", c10::IValue(std::string(kFormat)));
+  archive.write("rank", c10::IValue(static_cast<int64_t>(shard)));
+  for (size_t k = 0; k < members.size(); ++k) {
+    const auto& member = *members[k].member;
+    if (!member.piece.defined()) {
+      continue;
+    }
+    torch::serialize::OutputArchive piece;
+    piece.write("start", c10::IValue(member.piece_offset - member.offset));
+    // A copy of its own: a view would save the whole shard's storage.
+    piece.write("data", member.piece.detach().to(at::kCPU, /*non_blocking=*/false,
+                                                 /*copy=*/true));
+    if (const auto* state = find_state(optimizer, member.piece)) {
+      torch::serialize::OutputArchive fields;
+      state->serialize(fields);
+      piece.write("state", fields);
+    }
+    archive.write(str("piece/", k), piece);
+  }
+  for (const auto& buffer : module.named_buffers()) {
+    archive.write("buffer/" + buffer.key(), buffer.value().to(at::kCPU), /*is_buffer=*/true);
+  }
+  write_archive(shard_path(path, number, shard, shards), shards, archive);
+}
+
 } // namespace
 
 void ShardedModel::save_sharded(const std::string& path, torch::nn::Module& module,
@@ -206,6 +236,11 @@ void ShardedModel::save_sharded(const std::string& path, torch::nn::Module& modu
                    "FullyShardedDataParallel: save_sharded inside a backward; call it "
                    "between steps.");
   World& world = state_->world;
+  // A file per rank of one group (under hybrid sharding every group holds
+  // the same pieces; the first group writes them).
+  const int shard = state_->shard_world.rank();
+  const int shards = state_->shard_world.size();
+  const bool writes = !state_->replicas || state_->replicas->rank() == 0;
   auto members = state_->members_in_order();
   // Rank 0 picks the generation: one past the index's, and past any files
   // already there (of a save that failed, or beside an index it cannot
@@ -220,7 +255,7 @@ void ShardedModel::save_sharded(const std::string& path, torch::nn::Module& modu
     }
   }
   int64_t number = previous.generation + 1;
-  while (world.rank() == 0 && checkpoint_exists(shard_path(path, number, 0, world.size()))) {
+  while (world.rank() == 0 && checkpoint_exists(shard_path(path, number, 0, shards))) {
     ++number;
   }
   auto generation = at::tensor({number}, at::kLong);
@@ -229,30 +264,9 @@ void ShardedModel::save_sharded(const std::string& path, torch::nn::Module& modu
 
   std::string error;
   try {
-    torch::serialize::OutputArchive archive;
-    archive.write("format", c10::IValue(std::string(kFormat)));
-    archive.write("rank", c10::IValue(static_cast<int64_t>(world.rank())));
-    for (size_t k = 0; k < members.size(); ++k) {
-      const auto& member = *members[k].member;
-      if (!member.piece.defined()) {
-        continue;
-      }
-      torch::serialize::OutputArchive piece;
-      piece.write("start", c10::IValue(member.piece_offset - member.offset));
-      // A copy of its own: a view would save the whole shard's storage.
-      piece.write("data", member.piece.detach().to(at::kCPU, /*non_blocking=*/false,
-                                                   /*copy=*/true));
-      if (const auto* state = find_state(optimizer, member.piece)) {
-        torch::serialize::OutputArchive fields;
-        state->serialize(fields);
-        piece.write("state", fields);
-      }
-      archive.write(str("piece/", k), piece);
+    if (writes) {
+      write_pieces(path, number, shard, shards, members, optimizer, module);
     }
-    for (const auto& buffer : module.named_buffers()) {
-      archive.write("buffer/" + buffer.key(), buffer.value().to(at::kCPU), /*is_buffer=*/true);
-    }
-    write_archive(shard_path(path, number, world.rank(), world.size()), world.size(), archive);
   } catch (const std::exception& e) {
     error = describe_exception(e);
   }
@@ -264,7 +278,7 @@ void ShardedModel::save_sharded(const std::string& path, torch::nn::Module& modu
       torch::serialize::OutputArchive index;
       index.write("format", c10::IValue(std::string(kFormat)));
       index.write("generation", c10::IValue(number));
-      index.write("ranks", c10::IValue(static_cast<int64_t>(world.size())));
+      index.write("ranks", c10::IValue(static_cast<int64_t>(shards)));
       for (size_t k = 0; k < members.size(); ++k) {
         const auto& member = *members[k].member;
         index.write(str("name/", k), c10::IValue(member.name));
@@ -280,9 +294,9 @@ void ShardedModel::save_sharded(const std::string& path, torch::nn::Module& modu
         optimizer.param_groups()[g].options().serialize(options);
         index.write(str("group/", g), options);
       }
-      write_archive(path, world.size(), index);
+      write_archive(path, shards, index);
       try {
-        remove_other_generations(path, number, world.size());
+        remove_other_generations(path, number, shards);
       } catch (const std::exception&) {
         // the checkpoint is complete: files left over are only files
       }
@@ -334,9 +348,10 @@ void ShardedModel::load_sharded(const std::string& path, torch::nn::Module& modu
         needed.insert(r);
       }
     }
-    // Buffers: this rank's own at the same world size, rank 0's at another
-    // (as DDP's are rank 0's).
-    int64_t buffers_from = index.ranks == world.size() ? world.rank() : 0;
+    // Buffers: this rank's own at the same number of shards, rank 0's at
+    // another (as DDP's are rank 0's).
+    const World& shard_world = state_->shard_world;
+    int64_t buffers_from = index.ranks == shard_world.size() ? shard_world.rank() : 0;
     if (!module.named_buffers().is_empty()) {
       needed.insert(buffers_from);
     }

@@ -35,11 +35,14 @@ thread_local std::optional<Construction> current_construction;
 
 } // namespace
 
-ShardedConstruction::ShardedConstruction(const World& world) {
+ShardedConstruction::ShardedConstruction(const World& world, const FsdpOptions& options) {
   LOCKSTEP_ENFORCE(!current_construction, UsageError,
                    "a ShardedConstruction lives already on this thread; build the model under "
                    "one.");
-  current_construction = Construction{world.rank(), world.size()};
+  // The wrapper's groups are replica_groups': consecutive ranks, so this
+  // rank's place is known without a collective.
+  int group = detail::shard_group_size(world, options);
+  current_construction = Construction{world.rank() % group, group};
 }
 
 ShardedConstruction::~ShardedConstruction() {
@@ -156,8 +159,19 @@ void shard_at_construction(const std::shared_ptr<torch::nn::Module>& module) {
   keep_constructed_shard(*module, std::move(built));
 }
 
+int shard_group_size(const World& world, const FsdpOptions& options) {
+  if (!options.shard_group_size()) {
+    return world.size();
+  }
+  int group = *options.shard_group_size() == 0 ? world.local_size() : *options.shard_group_size();
+  LOCKSTEP_ENFORCE(group > 0 && world.size() % group == 0, ConfigError,
+                   "FsdpOptions::shard_group_size: groups of ", group, " ranks do not divide "
+                   "the world's ", world.size(), ".");
+  return group;
+}
+
 std::vector<std::shared_ptr<ConstructedShard>> constructed_shards(
-    World& world, const std::vector<std::string>& names,
+    World& world, const World& shard_world, const std::vector<std::string>& names,
     const std::vector<std::shared_ptr<torch::nn::Module>>& declared,
     const std::vector<std::vector<std::pair<std::string, at::Tensor>>>& params) {
   std::vector<std::shared_ptr<ConstructedShard>> built(names.size());
@@ -185,8 +199,11 @@ std::vector<std::shared_ptr<ConstructedShard>> constructed_shards(
     }
     if (!same) {
       mine << "changed\n";
+    } else if (record.rank != shard_world.rank() || record.ranks != shard_world.size()) {
+      mine << "miscut " << record.ranks << " " << record.rank << " " << shard_world.size() << " "
+           << shard_world.rank() << "\n";
     } else {
-      mine << "cut " << record.rank << " " << record.ranks << " " << record.checksum << "\n";
+      mine << "cut " << record.checksum << "\n";
     }
   }
   auto lines_of = [](const std::string& text) {
@@ -213,18 +230,18 @@ std::vector<std::shared_ptr<ConstructedShard>> constructed_shards(
     for (int rank = 0; rank < world.size(); ++rank) {
       TORCH_INTERNAL_ASSERT(index < lines[rank].size(), "ranks with other units");
       std::string line = lines[rank][index];
+      if (line.rfind("miscut ", 0) == 0) {
+        std::istringstream in(line.substr(7));
+        int cut_ranks = 0, cut_rank = 0, ranks = 0, place = 0;
+        in >> cut_ranks >> cut_rank >> ranks >> place;
+        LOCKSTEP_FAIL(ConfigError, "FullyShardedDataParallel: ", FlatUnit::describe(names[u]),
+                      " was built under a ShardedConstruction for shards of ", cut_ranks,
+                      " ranks (as rank ", cut_rank, " of them) and is sharded over ", ranks,
+                      " (rank ", rank, " as rank ", place, " of them). Build the model under a "
+                      "ShardedConstruction over the wrapper's world, with its FsdpOptions.");
+      }
       if (line.rfind("cut ", 0) == 0) {
-        std::istringstream in(line.substr(4));
-        int cut_rank = 0, cut_ranks = 0;
-        uint64_t checksum = 0;
-        in >> cut_rank >> cut_ranks >> checksum;
-        LOCKSTEP_ENFORCE(cut_rank == rank && cut_ranks == world.size(), ConfigError,
-                         "FullyShardedDataParallel: ", FlatUnit::describe(names[u]),
-                         " was built under a ShardedConstruction over a world of ", cut_ranks,
-                         " ranks (as rank ", cut_rank, ") and is sharded over one of ",
-                         world.size(), " (as rank ", rank, "). Build the model under a "
-                         "ShardedConstruction over the wrapper's world.");
-        line = str("with the values of checksum ", checksum);
+        line = "with the values of checksum " + line.substr(4);
       }
       ways[line].push_back(rank);
     }

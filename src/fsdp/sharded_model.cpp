@@ -10,6 +10,7 @@
 // part. So every rank runs the same collectives in the same order.
 
 #include <lockstep/fsdp.h>
+#include <lockstep/replica_groups.h>
 
 #include <algorithm>
 #include <optional>
@@ -27,8 +28,10 @@
 #include <lockstep/sync_batch_norm.h>
 
 #include "compat/autocast.h"
+#include "fsdp/constructed_shard.h"
 #include "fsdp/sharded_model_state.h"
 #include "fsdp/unit_registry.h"
+#include "world/epoch_world.h"
 #include "optim/gradient_placement.h"
 #include "reducer/graph_walk.h"
 
@@ -325,7 +328,10 @@ void ShardedModel::State::reduce_in_order(bool to_the_end) {
     }
     if (sync_this_backward) {
       timed("reduce-scatter", unit,
-            [&] { units[unit]->reduce_gradients(world, pool, options.reduce_dtype()); });
+            [&] {
+              units[unit]->reduce_gradients(shard_world, pool, options.reduce_dtype(),
+                                            replicas ? &*replicas : nullptr);
+            });
     }
     ++reduced;
     reduced_unit[unit] = 1;
@@ -359,10 +365,30 @@ ShardedModel::ShardedModel(torch::nn::Module& module, World world, FsdpOptions o
   if (options.param_dtype()) {
     require_cpu_work_in(state_->cpu_work, *options.param_dtype(), "FsdpOptions::param_dtype");
   }
+  if (options.shard_group_size()) {
+    LOCKSTEP_ENFORCE(!WorldAccess::standby(state_->world), ConfigError,
+                     "FsdpOptions::shard_group_size on a rank that lockstep-run restarted "
+                     "alone: under fault tolerance, shard inside the replica groups of "
+                     "FaultTolerance(groups, ...) (FSDP over groups.replica) instead.");
+    // A fixed size is checked here alike on every rank; 0 (a host's ranks)
+    // is agreed by replica_groups, since hosts may hold different counts.
+    if (*options.shard_group_size() != 0) {
+      shard_group_size(state_->world, options);
+    }
+    auto groups = replica_groups(state_->world, *options.shard_group_size());
+    if (groups.replica.size() < state_->world.size()) {
+      state_->shard_world = groups.replica;
+      state_->replicas = groups.across;
+    }
+  }
   state_->shard(module);
   // An optimizer over the pieces steps shards: a GradScaler's found-inf must
   // agree across the ranks.
   register_pieces(this, parameters(), state_->world);
+}
+
+World ShardedModel::shard_world() const {
+  return state_->shard_world;
 }
 
 ShardedModel::~ShardedModel() {

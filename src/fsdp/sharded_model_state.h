@@ -21,9 +21,20 @@ namespace lockstep::detail {
 
 struct ShardedModel::State : std::enable_shared_from_this<State> {
   State(World world_in, FsdpOptions options_in)
-      : world(std::move(world_in)), options(options_in), pool(options.prefetch() ? 3 : 2) {}
+      : world(std::move(world_in)),
+        shard_world(world),
+        options(options_in),
+        pool(options.prefetch() ? 3 : 2) {}
 
+  // Every rank: the start's values, the buffers, the order of reductions,
+  // the flags of unused parameters, a GradScaler's agreement.
   World world;
+  // The ranks that share each unit's shards: the world, or under hybrid
+  // sharding (FsdpOptions::shard_group_size) this rank's group, whose
+  // gathers and reduce-scatters stay inside it; and then the same place in
+  // every group, across which each shard's gradients are averaged.
+  World shard_world;
+  std::optional<World> replicas;
   FsdpOptions options;
   // What 16-bit work the model does on CPU (amp/sixteen_bit_support.h).
   std::vector<CpuWork> cpu_work;
@@ -108,7 +119,7 @@ struct ShardedModel::State : std::enable_shared_from_this<State> {
     auto target = static_cast<int64_t>(*place_in_last[unit]) + step;
     if (target >= 0 && target < static_cast<int64_t>(last_forward_order.size())) {
       size_t next = last_forward_order[static_cast<size_t>(target)];
-      timed("prefetch", next, [&] { units[next]->prefetch(world, pool); });
+      timed("prefetch", next, [&] { units[next]->prefetch(shard_world, pool); });
     }
   }
 
@@ -175,12 +186,12 @@ struct ShardedModel::State : std::enable_shared_from_this<State> {
 
   /// Gathers `unit` to compute with (in FsdpOptions::param_dtype).
   void gather(size_t unit) {
-    timed("gather", unit, [&] { units[unit]->gather(world, pool); });
+    timed("gather", unit, [&] { units[unit]->gather(shard_world, pool); });
     rehook(unit);
   }
   /// Gathers `unit` in its shards' own dtype, for checkpoints and loads.
   void gather_in_full_precision(size_t unit) {
-    units[unit]->gather(world, pool, /*full_precision=*/true);
+    units[unit]->gather(shard_world, pool, /*full_precision=*/true);
   }
   void free(size_t unit) {
     units[unit]->free(pool);

@@ -95,7 +95,9 @@ void ShardedModel::consolidate_optimizer_state(const torch::optim::Optimizer& sh
       like = like != nullptr ? like : state;
     }
   }
-  auto all = gather_bytes(state_->world, bytes_of(mine));
+  // One group's pieces make the whole (under hybrid sharding every group
+  // holds the same).
+  auto all = gather_bytes(state_->shard_world, bytes_of(mine));
   if (state_->world.rank() != to) {
     return;
   }

@@ -150,7 +150,7 @@ void ShardedModel::State::shard(torch::nn::Module& module) {
   }
   // Collective: what the ranks kept of units built under a
   // ShardedConstruction, checked alike on every rank.
-  auto built = constructed_shards(world, names, declared, members);
+  auto built = constructed_shards(world, shard_world, names, declared, members);
   size_t index = members[0].empty() ? 0 : 1;
   for (size_t u = 1; u < names.size(); ++u) {
     if (members[u].empty()) {
@@ -180,7 +180,7 @@ void ShardedModel::State::shard(torch::nn::Module& module) {
     units.push_back(built[u] ? std::make_unique<FlatUnit>(names[u], std::move(members[u]),
                                                           *built[u], compute[u])
                              : std::make_unique<FlatUnit>(names[u], std::move(members[u]),
-                                                          world, compute[u]));
+                                                          shard_world, world, compute[u]));
   }
   // Backward reduces the last registered unit first until the forward
   // order is known (agree_on_order); the root last, at the end of backward.

@@ -111,6 +111,24 @@ Model float64_model(uint64_t seed, Args&&... args) {
   return model;
 }
 
+/// A `Model` made under `seed` in float64 from the start (torch's default
+/// dtype set around the build): a sharded build (build_sharded), which a
+/// conversion afterwards would not reach, and its reference.
+template <typename Model, typename... Args>
+Model built_in_float64(uint64_t seed, Args&&... args) {
+  auto previous = torch::get_default_dtype();
+  torch::set_default_dtype(caffe2::TypeMeta::Make<double>());
+  torch::manual_seed(seed);
+  try {
+    Model model(std::forward<Args>(args)...);
+    torch::set_default_dtype(previous);
+    return model;
+  } catch (...) {
+    torch::set_default_dtype(previous);
+    throw;
+  }
+}
+
 /// Expects `actual` (FullyShardedDataParallel::full_parameters) to hold
 /// every parameter of `reference`, each within float64 rounding of it.
 inline void expect_close_parameters(const torch::OrderedDict<std::string, torch::Tensor>& actual,
