@@ -40,30 +40,6 @@ TinyTransformer float64_transformer(uint64_t seed) {
   return float64_model<TinyTransformer>(seed, false);
 }
 
-// Steps [first, last) of `model` trained on the whole batch in one process.
-void train_alone(TinyTransformer& model, torch::optim::Optimizer& optimizer, int64_t first,
-                 int64_t last) {
-  for (int64_t step = first; step < last; ++step) {
-    auto [tokens, targets] = token_batch(step);
-    optimizer.zero_grad();
-    loss_of(model(tokens), targets).backward();
-    optimizer.step();
-  }
-}
-
-void train_sharded(FullyShardedDataParallel<TinyTransformer>& fsdp,
-                   torch::optim::Optimizer& optimizer, int64_t first, int64_t last, int rank,
-                   int ranks) {
-  int64_t share = kSamples / ranks;
-  for (int64_t step = first; step < last; ++step) {
-    auto [tokens, targets] = token_batch(step);
-    optimizer.zero_grad();
-    loss_of(fsdp(tokens.narrow(0, rank * share, share)), targets.narrow(0, rank * share, share))
-        .backward();
-    optimizer.step();
-  }
-}
-
 TEST(FsdpCheckpoint, ConsolidatedAtFourRanksResumesAtTwoAndInAPlainProgram) {
   ScratchFolder folder("fsdp-checkpoint");
   auto write = launch_ranks(with_shared_folder(4, folder.path()), [](int rank) {

@@ -176,35 +176,13 @@ INSTANTIATE_TEST_SUITE_P(
 // each trains on as one process.
 TEST(FsdpHybridCheckpoint, WrittenByOneGroupLoadsAtOtherLayouts) {
   ScratchFolder folder("fsdp-hybrid");
-  auto train = [](FullyShardedDataParallel<TinyTransformer>& fsdp,
-                  torch::optim::Optimizer& optimizer, int64_t first, int64_t last, int rank,
-                  int ranks) {
-    const int64_t share = kSamples / ranks;
-    for (int64_t step = first; step < last; ++step) {
-      auto [tokens, targets] = token_batch(step);
-      optimizer.zero_grad();
-      loss_of(fsdp(tokens.narrow(0, rank * share, share)),
-              targets.narrow(0, rank * share, share))
-          .backward();
-      optimizer.step();
-    }
-  };
-  auto alone = [](TinyTransformer& model, torch::optim::Optimizer& optimizer, int64_t first,
-                  int64_t last) {
-    for (int64_t step = first; step < last; ++step) {
-      auto [tokens, targets] = token_batch(step);
-      optimizer.zero_grad();
-      loss_of(model(tokens), targets).backward();
-      optimizer.step();
-    }
-  };
   auto write = launch_ranks(with_shared_folder(4, folder.path()), [&](int rank) {
     World world = init();
     auto model = float64_model<TinyTransformer>(0, false);
     FullyShardedDataParallel<TinyTransformer> fsdp(model, world,
                                                    FsdpOptions().shard_group_size(2));
     torch::optim::SGD optimizer(fsdp.parameters(), sgd());
-    train(fsdp, optimizer, 0, 2, rank, 4);
+    train_sharded(fsdp, optimizer, 0, 2, rank, 4);
     fsdp.save_sharded(shared_folder() + "/hsdp", optimizer);
   });
   ASSERT_TRUE(write.ok()) << write.report();
@@ -222,7 +200,7 @@ TEST(FsdpHybridCheckpoint, WrittenByOneGroupLoadsAtOtherLayouts) {
       World world = init();
       auto reference = float64_model<TinyTransformer>(0, false);
       torch::optim::SGD reference_optimizer(reference->parameters(), sgd());
-      alone(reference, reference_optimizer, 0, 2);
+      train_alone(reference, reference_optimizer, 0, 2);
       auto model = float64_model<TinyTransformer>(11, false);
       FsdpOptions options;
       if (group > 0) {
@@ -232,8 +210,8 @@ TEST(FsdpHybridCheckpoint, WrittenByOneGroupLoadsAtOtherLayouts) {
       torch::optim::SGD optimizer(fsdp.parameters(), sgd());
       fsdp.load_sharded(shared_folder() + "/hsdp", optimizer);
       expect_close_parameters(fsdp.full_parameters(), *reference, "loaded");
-      alone(reference, reference_optimizer, 2, 4);
-      train(fsdp, optimizer, 2, 4, rank, ranks);
+      train_alone(reference, reference_optimizer, 2, 4);
+      train_sharded(fsdp, optimizer, 2, 4, rank, ranks);
       expect_close_parameters(fsdp.full_parameters(), *reference, "trained on");
     });
     EXPECT_TRUE(read.ok()) << ranks << " ranks in groups of " << group << ": " << read.report();

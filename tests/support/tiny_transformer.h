@@ -148,4 +148,29 @@ inline torch::Tensor loss_of(const torch::Tensor& logits, const torch::Tensor& t
                                               targets.reshape({-1}));
 }
 
+/// Steps [first, last) of `model` trained on the whole batch in one process.
+inline void train_alone(TinyTransformer& model, torch::optim::Optimizer& optimizer,
+                        int64_t first, int64_t last) {
+  for (int64_t step = first; step < last; ++step) {
+    auto [tokens, targets] = token_batch(step);
+    optimizer.zero_grad();
+    loss_of(model(tokens), targets).backward();
+    optimizer.step();
+  }
+}
+
+/// The same steps on `rank`'s share of each batch, through `fsdp`.
+inline void train_sharded(FullyShardedDataParallel<TinyTransformer>& fsdp,
+                          torch::optim::Optimizer& optimizer, int64_t first, int64_t last,
+                          int rank, int ranks) {
+  int64_t share = kSamples / ranks;
+  for (int64_t step = first; step < last; ++step) {
+    auto [tokens, targets] = token_batch(step);
+    optimizer.zero_grad();
+    loss_of(fsdp(tokens.narrow(0, rank * share, share)), targets.narrow(0, rank * share, share))
+        .backward();
+    optimizer.step();
+  }
+}
+
 } // namespace lockstep::testing::tiny
